@@ -1,0 +1,86 @@
+"""The op interface and the registry behind the ``kernels`` config switch."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+
+class Ops(Protocol):
+    """Every op the shared model runs on the log-probability path.
+
+    Implementations must give the same answer (to rounding) as :class:`~rlfw.kernels.default.DefaultOps`;
+    an implementation that promises batch invariance must also give the same *bits* for a row whatever
+    the rows around it.
+    """
+
+    name: str
+
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``x [..., K] @ weight[N, K].T -> [..., N]`` in ``x.dtype``."""
+        ...
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """RMSNorm over the last dim, fp32 accumulation, result cast back to ``x.dtype``."""
+        ...
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate-half RoPE. ``x [B, T, H, D]``; ``cos``/``sin`` fp32 ``[B, T, D]``; math in fp32."""
+        ...
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        """``silu(gate) * up`` elementwise."""
+        ...
+
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+        """Causal attention over a slotted cache.
+
+        ``q [B, T, Hq, D]``; ``k_cache``/``v_cache [B, S, Hkv, D]`` (Hq a multiple of Hkv, GQA);
+        ``q_pos [B, T]`` int64, the position of each query. Key slot ``s`` is visible to a query iff
+        ``s <= q_pos``. Queries with ``q_pos < 0`` (padding) return zeros. Output ``[B, T, Hq, D]``.
+        """
+        ...
+
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        """Row log-softmax over the last dim, computed and returned in fp32."""
+        ...
+
+    def token_logp(self, logits: Tensor, ids: Tensor) -> Tensor:
+        """fp32 log-prob of ``ids [...]`` under ``logits [..., V]``."""
+        ...
+
+    def entropy(self, logits: Tensor) -> Tensor:
+        """fp32 entropy of each row of ``logits [..., V]``."""
+        ...
+
+    def router_topk(self, logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+        """Softmax router over ``logits [N, E]`` in fp32; top-k with ties broken to the lowest index.
+
+        Returns ``(weights [N, k] fp32, ids [N, k] int64)``, ids in descending weight order.
+        """
+        ...
+
+    def router_weights(self, logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
+        """Gate weights of given experts ``ids [N, k]`` (R3 replay): fp32 softmax gathered at ``ids``."""
+        ...
+
+
+KERNEL_CHOICES = ("default", "invariant")
+
+
+def get_ops(name: str) -> Ops:
+    """The op set for ``kernels=name``."""
+    if name == "default":
+        from rlfw.kernels.default import DefaultOps
+
+        return DefaultOps()
+    if name == "invariant":
+        try:
+            from rlfw.kernels.invariant import InvariantOps  # type: ignore[import-not-found]
+        except ImportError as err:  # pragma: no cover - filled by the kernels work
+            raise NotImplementedError("kernels=invariant is not available in this build") from err
+        return InvariantOps()
+    raise ValueError(f"kernels={name!r} is not a kernel set; allowed values: {', '.join(KERNEL_CHOICES)}")
+
+

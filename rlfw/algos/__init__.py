@@ -1,0 +1,1 @@
+"""Pure tensor math: ratio decomposition, ESS, advantages, losses and corrections, resync rule."""

@@ -1,0 +1,1 @@
+"""The shared transformer (dense and MoE) used by trainer and engine."""
