@@ -1,0 +1,173 @@
+"""Attention, MLP and MoE blocks of the shared model. Every op on the logprob path goes through ``ctx.ops``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from rlfw.kernels import Ops
+from rlfw.model.cache import KVCache
+from rlfw.model.config import ModelArgs
+from rlfw.model.routing import RouterTrace
+
+
+@dataclass
+class ForwardContext:
+    """What one forward call shares across layers.
+
+    ``positions [B, T]``: each token's position in its sequence, ``-1`` for padding. ``cos``/``sin``
+    ``[B, T, head_dim]`` fp32 RoPE tables at those positions. ``cache``/``slots``: the KV cache rows this
+    batch reads and extends (prefill and decode); without a cache, K/V go to a temporary buffer of the
+    same layout, so training and scoring reduce over keys exactly as the engine does.
+    """
+
+    ops: Ops
+    positions: Tensor
+    cos: Tensor
+    sin: Tensor
+    cache: KVCache | None = None
+    slots: Tensor | None = None
+    routing: RouterTrace | None = None
+
+    @property
+    def valid(self) -> Tensor:
+        return self.positions >= 0
+
+    def store_kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write this step's K/V ``[B, T, H_kv, D]`` at their positions; return ``[B, S, H_kv, D]`` to attend."""
+        valid = self.valid
+        rows, cols = valid.nonzero(as_tuple=True)
+        pos = self.positions[rows, cols]
+        span = int(self.positions.max().item()) + 1 if valid.any() else 1
+        if self.cache is None:
+            shape = (k.shape[0], span, k.shape[2], k.shape[3])
+            k_all = k.new_zeros(shape).index_put((rows, pos), k[rows, cols])
+            v_all = v.new_zeros(shape).index_put((rows, pos), v[rows, cols])
+            return k_all, v_all
+        assert self.slots is not None
+        slot_rows = self.slots[rows]
+        self.cache.k[layer][slot_rows, pos] = k[rows, cols]
+        self.cache.v[layer][slot_rows, pos] = v[rows, cols]
+        return self.cache.k[layer][self.slots, :span], self.cache.v[layer][self.slots, :span]
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        return ctx.ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with optional per-head q/k RMSNorm (Qwen3) and RoPE."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_proj = _linear(args.hidden_size, args.num_heads * args.head_dim)
+        self.k_proj = _linear(args.hidden_size, args.num_kv_heads * args.head_dim)
+        self.v_proj = _linear(args.hidden_size, args.num_kv_heads * args.head_dim)
+        self.o_proj = _linear(args.num_heads * args.head_dim, args.hidden_size)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        b, t, _ = x.shape
+        ops = ctx.ops
+        q = ops.linear(x, self.q_proj.weight).view(b, t, self.num_heads, self.head_dim)
+        k = ops.linear(x, self.k_proj.weight).view(b, t, self.num_kv_heads, self.head_dim)
+        v = ops.linear(x, self.v_proj.weight).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
+        q, k = ops.rope(q, ctx.cos, ctx.sin), ops.rope(k, ctx.cos, ctx.sin)
+        k_all, v_all = ctx.store_kv(self.layer, k, v)
+        out = ops.attention(q, k_all, v_all, ctx.positions, self.head_dim**-0.5)
+        return ops.linear(out.reshape(b, t, -1), self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = _linear(hidden_size, intermediate_size)
+        self.up_proj = _linear(hidden_size, intermediate_size)
+        self.down_proj = _linear(intermediate_size, hidden_size)
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        ops = ctx.ops
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)),
+                          self.down_proj.weight)
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE sparse block: softmax top-k router, SwiGLU experts combined in ascending expert order.
+
+    The combine accumulates ``weight * expert(x)`` in fp32, expert 0 first, and casts once at the end:
+    a fixed order makes the sum independent of which other tokens share an expert.
+    """
+
+    def __init__(self, args: ModelArgs, moe_index: int) -> None:
+        super().__init__()
+        self.moe_index = moe_index
+        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
+        self.gate = _linear(args.hidden_size, args.num_experts)
+        self.experts = nn.ModuleList(
+            MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(args.num_experts)
+        )
+
+    def route(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """Gate weights fp32 ``[B, T, k]`` and expert ids ``[B, T, k]``: the router's choice, or replayed ids."""
+        logits = ctx.ops.linear(x, self.gate.weight).float()
+        flat = logits.reshape(-1, logits.shape[-1])
+        replay = ctx.routing.replay_ids(self.moe_index) if ctx.routing is not None else None
+        if replay is None:
+            weights, ids = ctx.ops.router_topk(flat, self.top_k, self.norm_topk_prob)
+        else:
+            ids = replay.reshape(-1, self.top_k).to(torch.long).clamp(0, len(self.experts) - 1)
+            weights = ctx.ops.router_weights(flat, ids, self.norm_topk_prob)
+        shape = (*x.shape[:-1], self.top_k)
+        ids = ids.reshape(shape)
+        if ctx.routing is not None:
+            ctx.routing.recorded.append(ids.detach())
+        return weights.reshape(shape), ids
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        weights, ids = self.route(x, ctx)
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat_ids, flat_w = ids.reshape(-1, self.top_k), weights.reshape(-1, self.top_k)
+        out = torch.zeros(flat_x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):
+            token, slot = (flat_ids == e).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            y = expert(flat_x[token], ctx).float() * flat_w[token, slot, None]
+            out = out.index_add(0, token, y)
+        return out.to(x.dtype).reshape(x.shape)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp: nn.Module
+        if args.is_moe_layer(layer):
+            self.mlp = MoE(args, args.moe_layers.index(layer))
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size)
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x, ctx), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x, ctx), ctx)

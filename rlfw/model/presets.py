@@ -1,0 +1,43 @@
+"""Built-in tiny architectures for the embedded default and tests (built from config, no download)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlfw.model.config import ModelArgs
+from rlfw.model.transformer import Transformer
+
+# head_dim 32 keeps vLLM's CPU attention backend willing to run the same checkpoints.
+_TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+    eos_token_id=2,  # the tiny tokenizer's <eos>
+)
+
+PRESETS: dict[str, ModelArgs] = {
+    "tiny_dense": ModelArgs(model_type="qwen3", **_TINY),  # type: ignore[arg-type]
+    "tiny_moe": ModelArgs(
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        **_TINY,  # type: ignore[arg-type]
+    ),
+}
+
+
+def build_preset(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, kernels: str = "default") -> Transformer:
+    """A randomly initialised tiny model (std 0.02 weights, unit norms)."""
+    if name not in PRESETS:
+        raise ValueError(f"model.preset={name!r} is not a built-in model; choose one of: {', '.join(PRESETS)}")
+    model = Transformer(PRESETS[name], kernels=kernels)
+    model.init_weights(seed)
+    return model.to(dtype).eval()

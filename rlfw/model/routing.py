@@ -1,0 +1,32 @@
+"""Router record and replay (R3) for the MoE layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+
+@dataclass
+class RouterTrace:
+    """Expert ids per token and MoE layer, recorded by a forward or replayed into one.
+
+    ``replay``: ``[B, T, n_moe_layers, k]`` int64 ids to use instead of the router's top-k (R3). The
+    router still computes its softmax over all experts and the gate weights of the replayed experts are
+    gathered from it, so the router keeps its gradient. Padding positions are ignored.
+
+    ``recorded``: filled by the forward, one ``[B, T, k]`` tensor per MoE layer, in layer order: the ids
+    actually used (the replayed ones under replay).
+    """
+
+    replay: Tensor | None = None
+    recorded: list[Tensor] = field(default_factory=list)
+
+    def replay_ids(self, moe_index: int) -> Tensor | None:
+        return None if self.replay is None else self.replay[:, :, moe_index]
+
+    def stacked(self) -> Tensor:
+        """The recorded ids as ``[B, T, n_moe_layers, k]``, the layout :attr:`replay` takes."""
+        import torch
+
+        return torch.stack(self.recorded, dim=2)

@@ -1,0 +1,128 @@
+"""The shared transformer: one module for training, scoring, prefill and decode."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from rlfw.kernels import Ops, get_ops
+from rlfw.model.cache import KVCache
+from rlfw.model.config import ModelArgs
+from rlfw.model.layers import Block, ForwardContext, RMSNorm
+from rlfw.model.routing import RouterTrace
+
+
+class Backbone(nn.Module):
+    """Embeddings, blocks and final norm, named as in HF checkpoints (``model.*``)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """fp32 ``cos``/``sin`` ``[B, T, head_dim]`` at ``positions [B, T]`` (padding, ``-1``, reads position 0)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+                                .float() / head_dim))
+    freqs = positions.clamp(min=0).float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class Transformer(nn.Module):
+    """Qwen3 / Llama dense and Qwen3-MoE causal LM.
+
+    The mode is set by the arguments, not by a flag: with grad enabled it is the training forward, under
+    ``torch.no_grad`` the scoring forward; with a ``cache`` it is a prefill (T > 1) or decode (T == 1)
+    step that extends the cache rows ``slots``. All four run the same code and the same ops.
+    """
+
+    def __init__(self, args: ModelArgs, kernels: str = "default") -> None:
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.ops: Ops = get_ops(kernels)
+
+    def set_kernels(self, name: str) -> None:
+        """Switch the op set (``kernels=invariant|default``) without touching the weights."""
+        self.ops = get_ops(name)
+
+    @property
+    def output_weight(self) -> Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random init for tiny models built from config (no checkpoint)."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        p = self.model.embed_tokens.weight
+        a = self.args
+        return KVCache(a.num_layers, num_slots, capacity, a.num_kv_heads, a.head_dim, p.dtype, p.device)
+
+    def positions(self, attention_mask: Tensor, cache: KVCache | None, slots: Tensor | None) -> Tensor:
+        """Position of each token, ``-1`` for padding; left and right padding give the same positions."""
+        mask = attention_mask.to(torch.long)
+        pos = mask.cumsum(dim=1) - 1
+        if cache is not None:
+            assert slots is not None
+            pos = pos + cache.lengths[slots][:, None]
+            end = int(pos.max().item()) + 1 if mask.any() else 0
+            if end > cache.capacity:
+                raise ValueError(f"sequence needs {end} KV positions but the cache holds {cache.capacity}; "
+                                 "raise the engine's max length (cache capacity)")
+        return pos.masked_fill(mask == 0, -1)
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        slots: Tensor | None = None,
+        routing: RouterTrace | None = None,
+    ) -> Tensor:
+        """Final-norm hidden states ``[B, T, hidden]``; see :meth:`forward` for the arguments."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if cache is not None and slots is None:
+            slots = torch.arange(input_ids.shape[0], device=input_ids.device)
+        positions = self.positions(attention_mask, cache, slots)
+        cos, sin = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
+        ctx = ForwardContext(self.ops, positions, cos, sin, cache, slots, routing)
+        if routing is not None:
+            routing.recorded.clear()
+        x = self.model.embed_tokens(input_ids)
+        for block in self.model.layers:
+            x = block(x, ctx)
+        if cache is not None:
+            assert slots is not None
+            cache.lengths[slots] += attention_mask.to(torch.long).sum(dim=1)
+        return self.model.norm(x, ctx)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        slots: Tensor | None = None,
+        routing: RouterTrace | None = None,
+    ) -> Tensor:
+        """Logits ``[B, T, V]`` for ``input_ids [B, T]``.
+
+        ``attention_mask [B, T]`` (1 = token, 0 = padding, left or right). ``cache``/``slots``: extend
+        these cache rows (prefill or decode); the new tokens continue each row after its cached length.
+        ``routing``: record the MoE expert ids, or replay given ones (R3).
+        """
+        h = self.hidden_states(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
+        return self.ops.linear(h, self.output_weight)
