@@ -82,5 +82,3 @@ def get_ops(name: str) -> Ops:
             raise NotImplementedError("kernels=invariant is not available in this build") from err
         return InvariantOps()
     raise ValueError(f"kernels={name!r} is not a kernel set; allowed values: {', '.join(KERNEL_CHOICES)}")
-
-

@@ -140,13 +140,15 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str], max_shard_
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     state = {k: v.detach().contiguous().cpu() for k, v in model.named_parameters()}
-    config = model.args.to_hf_config() | {"torch_dtype": str(model.output_weight.dtype).removeprefix("torch.")}
+    config = model.args.to_hf_config() | {
+        "torch_dtype": str(model.output_weight.dtype).removeprefix("torch.")
+    }
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     shards = _shards(state, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
     else:
-        weight_map = {}
+        weight_map: dict[str, str] = {}
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(tmp / name), metadata={"format": "pt"})

@@ -45,9 +45,7 @@ class ModelArgs:
     def is_moe_layer(self, layer: int) -> bool:
         """Qwen3-MoE's rule: sparse unless listed in ``mlp_only_layers`` or off the sparse step."""
         return (
-            self.is_moe
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
+            self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     @property
@@ -162,6 +160,7 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     )
     if args.num_heads % args.num_kv_heads:
         raise ModelConfigError(
-            f"num_attention_heads={args.num_heads} is not a multiple of num_key_value_heads={args.num_kv_heads}"
+            f"num_attention_heads={args.num_heads} is not a multiple of "
+            f"num_key_value_heads={args.num_kv_heads}"
         )
     return args

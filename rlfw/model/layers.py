@@ -1,4 +1,7 @@
-"""Attention, MLP and MoE blocks of the shared model. Every op on the logprob path goes through ``ctx.ops``."""
+"""Attention, MLP and MoE blocks of the shared model.
+
+Every op on the log-probability path goes through ``ctx.ops``, so one switch picks the kernels.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ class ForwardContext:
         return self.positions >= 0
 
     def store_kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write this step's K/V ``[B, T, H_kv, D]`` at their positions; return ``[B, S, H_kv, D]`` to attend."""
+        """Write this step's K/V ``[B, T, H_kv, D]`` at their positions; return ``[B, S, H_kv, D]``."""
         valid = self.valid
         rows, cols = valid.nonzero(as_tuple=True)
         pos = self.positions[rows, cols]
@@ -106,8 +109,10 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         ops = ctx.ops
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)),
-                          self.down_proj.weight)
+        return ops.linear(
+            ops.silu_mul(ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)),
+            self.down_proj.weight,
+        )
 
 
 class MoE(nn.Module):
@@ -127,7 +132,7 @@ class MoE(nn.Module):
         )
 
     def route(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
-        """Gate weights fp32 ``[B, T, k]`` and expert ids ``[B, T, k]``: the router's choice, or replayed ids."""
+        """Gate weights fp32 ``[B, T, k]`` and expert ids ``[B, T, k]``: the router's or replayed."""
         logits = ctx.ops.linear(x, self.gate.weight).float()
         flat = logits.reshape(-1, logits.shape[-1])
         replay = ctx.routing.replay_ids(self.moe_index) if ctx.routing is not None else None

@@ -34,10 +34,14 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-def build_preset(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, kernels: str = "default") -> Transformer:
+def build_preset(
+    name: str, dtype: torch.dtype = torch.float32, seed: int = 0, kernels: str = "default"
+) -> Transformer:
     """A randomly initialised tiny model (std 0.02 weights, unit norms)."""
     if name not in PRESETS:
-        raise ValueError(f"model.preset={name!r} is not a built-in model; choose one of: {', '.join(PRESETS)}")
+        raise ValueError(
+            f"model.preset={name!r} is not a built-in model; choose one of: {', '.join(PRESETS)}"
+        )
     model = Transformer(PRESETS[name], kernels=kernels)
     model.init_weights(seed)
     return model.to(dtype).eval()

@@ -23,9 +23,10 @@ class Backbone(nn.Module):
 
 
 def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """fp32 ``cos``/``sin`` ``[B, T, head_dim]`` at ``positions [B, T]`` (padding, ``-1``, reads position 0)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                                .float() / head_dim))
+    """fp32 ``cos``/``sin`` ``[B, T, head_dim]`` at ``positions [B, T]`` (padding, -1, reads 0)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+    )
     freqs = positions.clamp(min=0).float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -43,7 +44,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.model = Backbone(args)
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = (
+            None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
         self.ops: Ops = get_ops(kernels)
 
     def set_kernels(self, name: str) -> None:
@@ -78,8 +81,10 @@ class Transformer(nn.Module):
             pos = pos + cache.lengths[slots][:, None]
             end = int(pos.max().item()) + 1 if mask.any() else 0
             if end > cache.capacity:
-                raise ValueError(f"sequence needs {end} KV positions but the cache holds {cache.capacity}; "
-                                 "raise the engine's max length (cache capacity)")
+                raise ValueError(
+                    f"sequence needs {end} KV positions but the cache holds {cache.capacity}; "
+                    "raise the engine's max length (cache capacity)"
+                )
         return pos.masked_fill(mask == 0, -1)
 
     def hidden_states(

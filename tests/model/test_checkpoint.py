@@ -98,7 +98,9 @@ def test_unexpected_tensor_is_named(tmp_path: Path, dense_ckpt: Path) -> None:
 def test_unsupported_architecture_is_named(tmp_path: Path, dense_ckpt: Path) -> None:
     folder = _copy(dense_ckpt, tmp_path / "c")
     cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(cfg | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (folder / "config.json").write_text(
+        json.dumps(cfg | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(ModelConfigError, match=r"unsupported architecture.*'gpt2'.*qwen3, llama, qwen3_moe"):
         from_pretrained(folder)
 

@@ -55,7 +55,9 @@ def test_replay_gate_weights_come_from_the_router_softmax() -> None:
     from rlfw.model.layers import ForwardContext
 
     pos = torch.arange(3)[None]
-    ctx = ForwardContext(model.ops, pos, pos.float(), pos.float(), routing=RouterTrace(replay=ids[:, :, None]))
+    ctx = ForwardContext(
+        model.ops, pos, pos.float(), pos.float(), routing=RouterTrace(replay=ids[:, :, None])
+    )
     with torch.no_grad():
         weights, got = moe.route(x, ctx)
         probs = torch.softmax(torch.nn.functional.linear(x, moe.gate.weight).float(), -1)

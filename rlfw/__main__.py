@@ -1,0 +1,5 @@
+import sys
+
+from rlfw.cli import main
+
+sys.exit(main())

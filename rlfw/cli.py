@@ -1,0 +1,55 @@
+"""``rlfw train | audit | report``: the one command-line entry point (also ``python -m rlfw``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlfw.config import ConfigError
+
+USAGE = """rlfw VERB [overrides...]
+
+verbs:
+  train   [recipe=NAME] [key=value ...]   the main job; no recipe runs the embedded default
+  audit   [model.path=DIR] [key=value ...] the validation ladder on one checkpoint, as JSON
+  report  RUN_DIR                          render per-factor plots from a run's metrics.jsonl
+"""
+
+
+def _not_yet(verb: str, issue: str) -> int:
+    print(f"rlfw {verb}: not available in this version yet ({issue}).", file=sys.stderr)
+    return 2
+
+
+def cmd_train(overrides: list[str]) -> int:
+    from rlfw.compose import load_config
+
+    load_config(overrides)  # validate before saying anything else
+    return _not_yet("train", "the main job lands with the Ray/DeepSpeed trainer")
+
+
+def cmd_audit(overrides: list[str]) -> int:
+    return _not_yet("audit", "the audit lands with the batch-invariant kernels and the execution contract")
+
+
+def cmd_report(args: list[str]) -> int:
+    return _not_yet("report", "reports land with the main job's metrics")
+
+
+VERBS = {"train": cmd_train, "audit": cmd_audit, "report": cmd_report}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlfw", usage=USAGE, add_help=True)
+    parser.add_argument("verb", choices=sorted(VERBS))
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    try:
+        return VERBS[ns.verb](ns.rest)
+    except ConfigError as err:
+        print(f"rlfw {ns.verb}: config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Typed configuration: one dataclass per component, composed by Hydra from ``configs/`` and ``recipes/``.
+
+Each field carries a one-line comment that is its documentation. Hydra rejects unknown keys (the
+dataclasses are structured configs); ``__post_init__`` rejects bad values, naming the key and the allowed
+values. ``load_config`` returns these dataclasses, not a loose dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from rlfw.algos.config import CorrectionConfig
+
+
+class ConfigError(ValueError):
+    """A config value or key rlfw cannot run with; the message names the key and what is allowed."""
+
+
+def check_choice(key: str, value: Any, allowed: Iterable[Any]) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def check_range(key: str, value: float, lo: float | None = None, hi: float | None = None) -> None:
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+        raise ConfigError(f"{key}={value!r} is out of range; allowed: {bounds}")
+
+
+@dataclass
+class ModelConfig:
+    """Which weights to run and how."""
+
+    path: str | None = None  # HF checkpoint folder (model=hf); must be set when `preset` is null
+    preset: str | None = "tiny_dense"  # built-in tiny model built from config: tiny_dense | tiny_moe | null
+    dtype: str = "float32"  # parameter dtype: float32 | bfloat16
+    tokenizer: str = "auto"  # auto: the checkpoint's HF tokenizer (tiny for presets) | tiny: built-in chars
+    router_replay: bool = False  # R3: the trainer replays the expert ids the rollout chose (MoE only)
+    seed: int = 0  # init seed for preset models
+
+    def __post_init__(self) -> None:
+        check_choice("model.preset", self.preset, ("tiny_dense", "tiny_moe", None))
+        if (self.path is None) == (self.preset is None):
+            raise ConfigError(
+                "set exactly one of model.path (an HF checkpoint folder, with model=hf) and model.preset "
+                f"(a built-in tiny model); got model.path={self.path!r}, model.preset={self.preset!r}"
+            )
+        check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+        check_choice("model.tokenizer", self.tokenizer, ("auto", "tiny"))
+
+
+@dataclass
+class SamplerConfig:
+    """The distribution tokens are drawn from: declared transforms, replayed by the trainer."""
+
+    temperature: float = 1.0  # logits are divided by this before sampling (> 0)
+    top_k: int = 0  # keep the k most likely tokens; 0 disables
+    top_p: float = 1.0  # keep the smallest set with mass >= top_p; 1 disables
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob; 0 disables
+    precision: str = "fp32"  # precision of the sampler's logits: fp32 | bf16 | fp8
+    topk_logprobs: int = 32  # how many of the sampler's top log-probs each token records (score centering)
+
+    def __post_init__(self) -> None:
+        check_range("sampler.temperature", self.temperature, lo=1e-6)
+        check_range("sampler.top_k", self.top_k, lo=0)
+        check_range("sampler.top_p", self.top_p, lo=1e-6, hi=1.0)
+        check_range("sampler.min_p", self.min_p, lo=0.0, hi=1.0)
+        check_choice("sampler.precision", self.precision, ("fp32", "bf16", "fp8"))
+        check_range("sampler.topk_logprobs", self.topk_logprobs, lo=0)
+
+
+@dataclass
+class EngineConfig:
+    """The rollout engine and its actors."""
+
+    name: str = "native"  # native (built-in engine) | vllm
+    num_actors: int = 1  # engine actors in the rollout pool
+    max_slots: int = 64  # sequences decoded concurrently per actor (continuous batching)
+    max_new_tokens: int = 32  # response length cap
+    max_model_len: int = 256  # prompt + response cap (KV cache capacity)
+    kv_policy: str = "keep"  # after an in-flight weight update: keep the stale KV cache | recompute it
+    in_flight: bool = False  # weight updates may land between decode steps of unfinished sequences
+    seed: int = 0  # sampling seed
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)  # sampling transforms and precision
+
+    def __post_init__(self) -> None:
+        check_choice("engine.name", self.name, ("native", "vllm"))
+        check_choice("engine.kv_policy", self.kv_policy, ("keep", "recompute"))
+        check_range("engine.num_actors", self.num_actors, lo=1)
+        check_range("engine.max_new_tokens", self.max_new_tokens, lo=1)
+
+
+@dataclass
+class TrainerConfig:
+    """The DeepSpeed trainer."""
+
+    num_ranks: int = 1  # data-parallel trainer ranks in the trainer pool
+    zero_stage: int = 0  # DeepSpeed ZeRO stage: 0 | 1 | 2 | 3
+    precision: str = "fp32"  # training precision: fp32 | bf16
+    lr: float = 1e-3  # peak learning rate
+    lr_schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    micro_batch_size: int = 16  # sequences per micro-batch (gradient accumulation fills the batch)
+    steps: int = 20  # optimizer steps in the run
+
+    def __post_init__(self) -> None:
+        check_choice("trainer.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        check_choice("trainer.precision", self.precision, ("fp32", "bf16"))
+        check_choice("trainer.lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        check_range("trainer.lr", self.lr, lo=0.0)
+        check_range("trainer.micro_batch_size", self.micro_batch_size, lo=1)
+
+
+@dataclass
+class AlgoConfig:
+    """The RL algorithm: how advantages are formed."""
+
+    name: str = "grpo"  # grpo (group-normalised rewards) | ppo (GAE with a value head)
+    prompts_per_step: int = 8  # prompts sampled per step
+    group_size: int = 8  # responses per prompt (GRPO group, engine n)
+    std_scaling: bool = True  # GRPO: divide centred rewards by the group std
+    leave_one_out: bool = False  # GRPO: baseline each sample by the mean of the others
+    gamma: float = 1.0  # PPO discount
+    lam: float = 0.95  # PPO GAE lambda
+    value_coef: float = 0.5  # PPO value-loss weight
+    kl_coef: float = 0.0  # KL penalty to the reference policy; 0 disables
+
+    def __post_init__(self) -> None:
+        check_choice("algo.name", self.name, ("grpo", "ppo"))
+        check_range("algo.group_size", self.group_size, lo=1)
+        check_range("algo.prompts_per_step", self.prompts_per_step, lo=1)
+
+
+@dataclass
+class SyncConfig:
+    """When and how weights flow from trainer to engines."""
+
+    mode: str = "sync"  # sync: generate then train | async: rollouts continue while training
+    policy: str = "every_step"  # resync rule: every_step | interval | ess
+    interval: int = 1  # steps between resyncs under policy=interval
+    ess_threshold: float = 0.5  # resync when ESS/N of the lag ratio drops below this (policy=ess)
+    max_staleness: int = 4  # async hard bound on version gap; older samples are dropped and counted
+    transport: str = "object_store"  # object_store (one machine) | collective (NCCL/gloo broadcast)
+
+    def __post_init__(self) -> None:
+        check_choice("sync.mode", self.mode, ("sync", "async"))
+        check_choice("sync.policy", self.policy, ("every_step", "interval", "ess"))
+        check_choice("sync.transport", self.transport, ("object_store", "collective"))
+        check_range("sync.ess_threshold", self.ess_threshold, lo=0.0, hi=1.0)
+        check_range("sync.interval", self.interval, lo=1)
+        check_range("sync.max_staleness", self.max_staleness, lo=0)
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go."""
+
+    wandb: bool = True  # log to Weights & Biases
+    wandb_mode: str = "offline"  # offline (no network) | online (after `wandb login`) | disabled
+    project: str = "rlfw"  # W&B project
+    run_name: str | None = None  # W&B run name and run-folder name; None picks a timestamp
+    run_root: str = "runs"  # run folders are created under this directory
+
+    def __post_init__(self) -> None:
+        check_choice("logger.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+
+
+@dataclass
+class TaskConfig:
+    """Prompts and the reward that scores responses."""
+
+    name: str = "arithmetic"  # arithmetic (built-in, learnable on CPU) | gsm8k (local JSONL file)
+    data_path: str | None = None  # dataset file for tasks that read one (gsm8k)
+    max_operand: int = 20  # arithmetic: operands are drawn from [0, max_operand]
+
+    def __post_init__(self) -> None:
+        check_choice("task.name", self.name, ("arithmetic", "gsm8k"))
+        if self.name == "gsm8k" and not self.data_path:
+            raise ConfigError("task=gsm8k reads a local JSONL file: pass task.data_path=/path/to/gsm8k.jsonl")
+
+
+@dataclass
+class RunConfig:
+    """A whole experiment: what ``rlfw train`` and ``rlfw audit`` read."""
+
+    kernels: str = (
+        "invariant"  # op set on the logprob path: invariant (batch-invariant) | default (plain torch)
+    )
+    seed: int = 0  # global seed
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("kernels", self.kernels, ("invariant", "default"))
+        if self.model.router_replay and self.model.preset == "tiny_dense":
+            raise ConfigError(
+                "model.router_replay=true needs an MoE model (model.preset=tiny_moe or an MoE path)"
+            )
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "engine": EngineConfig,
+    "trainer": TrainerConfig,
+    "algo": AlgoConfig,
+    "correction": CorrectionConfig,
+    "sync": SyncConfig,
+    "logger": LoggerConfig,
+    "task": TaskConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas so every YAML file is validated against its dataclass."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name=f"{group}_schema", node=schema)
