@@ -15,8 +15,15 @@ torch.set_num_threads(1)
 
 
 def make_hf_checkpoint(folder: Path, kind: str, seed: int = 0, **overrides: object) -> Path:
-    """Save a random tiny Qwen3 (``dense``) or Qwen3-MoE (``moe``) checkpoint from `transformers`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """Save a random tiny Qwen3 (``dense``), Llama (``llama``) or Qwen3-MoE (``moe``) HF checkpoint."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     base: dict[str, object] = dict(
         vocab_size=96,
@@ -32,6 +39,8 @@ def make_hf_checkpoint(folder: Path, kind: str, seed: int = 0, **overrides: obje
     torch.manual_seed(seed)
     if kind == "dense":
         model = Qwen3ForCausalLM(Qwen3Config(**(base | overrides)))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**(base | overrides)))
     else:
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**(base | moe | overrides)))

@@ -106,6 +106,8 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 def _reject_unsupported_features(cfg: dict[str, Any]) -> None:
     if cfg.get("attention_bias"):
         raise ModelConfigError("config.json sets attention_bias=true; the shared model has no q/k/v/o biases")
+    if cfg.get("mlp_bias"):
+        raise ModelConfigError("config.json sets mlp_bias=true; the shared model's MLP has no biases")
     if cfg.get("use_sliding_window"):
         raise ModelConfigError("config.json sets use_sliding_window=true; only full attention is supported")
     act = cfg.get("hidden_act", "silu")

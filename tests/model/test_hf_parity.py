@@ -1,4 +1,4 @@
-"""The shared model reproduces `transformers` on the same checkpoint.
+"""The shared model reproduces `transformers` (Qwen3, Llama, Qwen3-MoE) on the same checkpoint.
 
 If one of these breaks, checkpoints from the Hub no longer mean what they meant in `transformers`.
 """
@@ -17,6 +17,7 @@ CASES = [
     ("dense", {"tie_word_embeddings": False, "num_key_value_heads": 2}),
     ("dense", {"tie_word_embeddings": True, "num_key_value_heads": 4}),  # MHA, tied
     ("dense", {"tie_word_embeddings": False, "num_key_value_heads": 1}),  # MQA
+    ("llama", {"tie_word_embeddings": False, "num_key_value_heads": 2}),
     ("moe", {"norm_topk_prob": True}),
     ("moe", {"norm_topk_prob": False, "num_key_value_heads": 1}),
     ("moe", {"norm_topk_prob": True, "num_experts": 8, "num_experts_per_tok": 3, "mlp_only_layers": [0]}),
