@@ -6,6 +6,8 @@ users measure the mismatch of.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -74,3 +76,9 @@ class DefaultOps:
         if norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights
+
+    def describe(self) -> dict[str, Any]:
+        """The bit-relevant choices of this op set (see :mod:`rlfw.kernels.describe`)."""
+        from rlfw.kernels.describe import describe_default
+
+        return describe_default()

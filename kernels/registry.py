@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -65,6 +65,10 @@ class Ops(Protocol):
         """Gate weights of given experts ``ids [N, k]`` (R3 replay): fp32 softmax gathered at ``ids``."""
         ...
 
+    def describe(self) -> dict[str, Any]:
+        """Every bit-relevant choice of this op set (JSON-serialisable), for the execution contract."""
+        ...
+
 
 KERNEL_CHOICES = ("default", "invariant")
 
@@ -76,9 +80,7 @@ def get_ops(name: str) -> Ops:
 
         return DefaultOps()
     if name == "invariant":
-        try:
-            from rlfw.kernels.invariant import InvariantOps  # type: ignore[import-not-found]
-        except ImportError as err:  # pragma: no cover - filled by the kernels work
-            raise NotImplementedError("kernels=invariant is not available in this build") from err
+        from rlfw.kernels.invariant import InvariantOps
+
         return InvariantOps()
     raise ValueError(f"kernels={name!r} is not a kernel set; allowed values: {', '.join(KERNEL_CHOICES)}")

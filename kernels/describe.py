@@ -1,0 +1,82 @@
+"""The bit-relevant choices of each op set, as plain JSON-serialisable dicts.
+
+These records feed the execution contract: two processes whose records differ may not assume equal
+bits. Only choices that can change a result bit belong here (never logging or ordering of entries).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlfw.kernels import attention, matmul, reduce, router
+
+
+def describe_invariant(backend: str) -> dict[str, Any]:
+    """The record of :class:`~rlfw.kernels.invariant.InvariantOps` on ``backend``."""
+    from rlfw.kernels import triton_config as tc
+
+    triton_like = backend == "triton"
+    return {
+        "name": "invariant",
+        "backend": backend,
+        "linear": {
+            "impl": "triton_tiled_matmul" if triton_like else "torch_row_block_matmul",
+            "row_block": tc.MM_BLOCK_M if triton_like else matmul.ROW_BLOCK,
+            "col_block": tc.MM_BLOCK_N if triton_like else None,
+            "k_tile": tc.MM_BLOCK_K if triton_like else matmul.K_TILE,
+            "split_k": False,
+            "accumulate": "fp32",
+            "bf16_operands": "widened_to_fp32_round_once",
+        },
+        "rms_norm": {
+            "impl": "triton_row" if triton_like else "torch_row",
+            "accumulate": "fp32",
+            "round": "normed_to_input_dtype_then_weight_mul",
+            "sum_chunk": None if triton_like else reduce.SUM_CHUNK,
+        },
+        "rope": {"impl": "torch_elementwise", "math": "fp32", "layout": "rotate_half"},
+        "silu_mul": {"impl": "torch_elementwise", "silu": "x/(1+exp(-x))", "math": "fp32", "round": "once"},
+        "attention": {
+            "impl": "triton_tiled_online_softmax" if triton_like else "torch_tiled_online_softmax",
+            "kv_tile": attention.KV_TILE,
+            "q_row_block": tc.ATTN_BLOCK_R if triton_like else matmul.ROW_BLOCK,
+            "tile_alignment": "position_0",
+            "tile_order": "ascending",
+            "accumulate": "fp32",
+            "masked_slots": "zeroed_past_row_last_position",
+            "backward": "recompute_reference_fp32",
+        },
+        "log_softmax": {
+            "impl": "triton_row" if triton_like else "torch_row",
+            "math": "fp32",
+            "shift": "row_max_canonical_zero",
+            "v_chunk": tc.LSM_BLOCK_V if triton_like else reduce.SUM_CHUNK,
+        },
+        "token_logp": {"impl": "gather_of_log_softmax_arithmetic"},
+        "entropy": {"impl": "log_softmax_then_row_sum", "sum_chunk": reduce.SUM_CHUNK},
+        "router_topk": {
+            "impl": "torch_stable_sort",
+            "softmax": "fp32",
+            "rank_by": "fp32_probability",
+            "tie_rule": router.TIE_RULE,
+        },
+        "router_weights": {"impl": "fp32_softmax_gather", "norm_sum": "row_sum"},
+    }
+
+
+def describe_default() -> dict[str, Any]:
+    """The record of :class:`~rlfw.kernels.default.DefaultOps`: library choices, not batch-invariant."""
+    return {
+        "name": "default",
+        "backend": "torch",
+        "linear": {"impl": "F.linear"},
+        "rms_norm": {"impl": "torch", "accumulate": "fp32"},
+        "rope": {"impl": "torch_elementwise", "math": "fp32"},
+        "silu_mul": {"impl": "F.silu_mul_in_input_dtype"},
+        "attention": {"impl": "F.scaled_dot_product_attention"},
+        "log_softmax": {"impl": "torch.log_softmax", "math": "fp32"},
+        "token_logp": {"impl": "gather_of_log_softmax"},
+        "entropy": {"impl": "torch_sum"},
+        "router_topk": {"impl": "torch.topk", "softmax": "fp32", "tie_rule": "unspecified"},
+        "router_weights": {"impl": "fp32_softmax_gather"},
+    }

@@ -1,0 +1,100 @@
+"""``kernels=invariant``: ops whose result for a row depends only on that row.
+
+Two backends compute the same reduction orders at the tile level:
+
+* ``torch``: the exact torch path (default on CPU), see the module of each op;
+* ``triton``: Triton kernels (default on CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests).
+  RoPE, SiLU-mul and the router are elementwise or tiny and reuse the torch path on both backends.
+
+Within one backend every op is batch-invariant, so trainer grad forward, trainer scoring, engine
+prefill and engine decode agree bit for bit. The two backends agree to rounding, not bitwise (the
+order *inside* a tile belongs to the library or the compiler).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlfw.kernels import attention as attn
+from rlfw.kernels import elementwise, matmul, norm, router, softmax
+from rlfw.kernels.autograd import InvariantLinear, recompute_backward
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not a backend; allowed values: {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if torch.cuda.is_available() else "torch"
+    if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "backend='triton' without CUDA needs TRITON_INTERPRET=1 set before triton is imported"
+        )
+    return backend
+
+
+class InvariantOps:
+    """Batch-invariant implementation of :class:`~rlfw.kernels.registry.Ops`."""
+
+    name = "invariant"
+
+    def __init__(self, backend: str = "auto") -> None:
+        self.backend = _resolve_backend(backend)
+        if self.backend == "triton":
+            from rlfw.kernels import triton_ops
+
+            self._linear = triton_ops.linear
+            self._rms_norm = triton_ops.rms_norm
+            self._attention = triton_ops.attention
+            self._log_softmax = triton_ops.log_softmax
+            self._token_logp = triton_ops.token_logp
+        else:
+            self._linear = matmul.linear
+            self._rms_norm = norm.rms_norm
+            self._attention = attn.attention
+            self._log_softmax = softmax.log_softmax
+            self._token_logp = softmax.token_logp
+
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        out: Tensor = InvariantLinear.apply(x, weight, self._linear)
+        return out
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self._rms_norm(x, weight, eps)
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return elementwise.rope(x, cos, sin)
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        return elementwise.silu_mul(gate, up)
+
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+        return recompute_backward(
+            self._attention, attn.attention_reference, q, k_cache, v_cache, q_pos, scale
+        )
+
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        return self._log_softmax(logits)
+
+    def token_logp(self, logits: Tensor, ids: Tensor) -> Tensor:
+        return self._token_logp(logits, ids)
+
+    def entropy(self, logits: Tensor) -> Tensor:
+        return softmax.entropy_from_logp(self.log_softmax(logits))
+
+    def router_topk(self, logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+        return router.router_topk(logits, k, norm_topk_prob)
+
+    def router_weights(self, logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
+        return router.router_weights(logits, ids, norm_topk_prob)
+
+    def describe(self) -> dict[str, Any]:
+        """Every bit-relevant choice, JSON-serialisable (input to the execution contract hash)."""
+        from rlfw.kernels.describe import describe_invariant
+
+        return describe_invariant(self.backend)

@@ -1,0 +1,33 @@
+"""The Triton op set behind ``InvariantOps(backend="triton")``.
+
+Kernels: matmul/linear, RMSNorm, log-softmax (+ token gather) and attention. Each forward is wrapped so
+that training differentiates the torch reference of the same math (recomputed in backward); RoPE,
+SiLU-mul, entropy's final row sum and the router reuse the torch path (elementwise or tiny).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from rlfw.kernels import norm, softmax, triton_attention, triton_matmul, triton_norm, triton_softmax
+from rlfw.kernels.autograd import recompute_backward
+
+linear = triton_matmul.linear
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return recompute_backward(triton_norm.rms_norm, norm.rms_norm, x, weight, eps)
+
+
+def log_softmax(logits: Tensor) -> Tensor:
+    return recompute_backward(triton_softmax.log_softmax, softmax.log_softmax, logits)
+
+
+def token_logp(logits: Tensor, ids: Tensor) -> Tensor:
+    return recompute_backward(triton_softmax.token_logp, softmax.token_logp, logits, ids)
+
+
+attention = triton_attention.attention
+
+
+__all__ = ["attention", "linear", "log_softmax", "rms_norm", "token_logp"]

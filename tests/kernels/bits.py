@@ -1,0 +1,32 @@
+"""Bit-pattern comparison helpers: bitwise claims are checked on bits, not with ``torch.equal``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def bits(t: Tensor) -> Tensor:
+    """The raw bit pattern of a float tensor (integer tensors are returned as they are)."""
+    t = t.detach().contiguous()
+    return t.view(_INT_VIEW[t.dtype]) if t.dtype in _INT_VIEW else t
+
+
+def assert_same_bits(a: Tensor, b: Tensor, what: str = "") -> None:
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    differ = bits(a) != bits(b)
+    assert not bool(differ.any()), f"{what}: {int(differ.sum())} of {differ.numel()} elements differ in bits"
+
+
+def embed_row(row: Tensor, n_rows: int, at: int, seed: int) -> Tensor:
+    """A batch of ``n_rows`` random rows like ``row`` (``[1, ...]``) with ``row`` placed at index ``at``."""
+    g = torch.Generator().manual_seed(seed)
+    batch = torch.randn((n_rows, *row.shape[1:]), generator=g).to(row.dtype)
+    batch[at] = row[0]
+    return batch
+
+
+DTYPES = (torch.float32, torch.bfloat16)

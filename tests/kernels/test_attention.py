@@ -1,0 +1,126 @@
+"""Attention over the slotted cache: full pass, decode, chunked prefill, cache capacity and batch
+neighbours all give a query the same bits. If one of these breaks, prefill and decode log-probs differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlfw.kernels.attention import KV_TILE
+from rlfw.kernels.default import DefaultOps
+from rlfw.kernels.invariant import InvariantOps
+from tests.kernels.bits import DTYPES, assert_same_bits
+
+HQ, HKV, D, L = 4, 2, 64, 40
+SCALE = D**-0.5
+
+
+def _seq(dtype: torch.dtype, seed: int, length: int = L) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, length, h, D, generator=g).to(dtype) for h in (HQ, HKV, HKV))
+    return q, k, v
+
+
+def _cache(k: torch.Tensor, upto: int, capacity: int) -> torch.Tensor:
+    """A cache holding slots ``0..upto-1`` of ``k``; later slots hold NaN (never-written memory)."""
+    cache = torch.full((k.shape[0], capacity, HKV, D), float("nan"), dtype=k.dtype)
+    cache[:, :upto] = k[:, :upto]
+    return cache
+
+
+def _run(ops: InvariantOps, q, k, v, start: int, end: int, capacity: int = 64) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Queries ``start..end-1`` with the cache written up to ``end`` (chunked prefill / decode step)."""
+    pos = torch.arange(start, end)[None]
+    return ops.attention(q[:, start:end], _cache(k, end, capacity), _cache(v, end, capacity), pos, SCALE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_and_chunks_equal_full_pass(inv: InvariantOps, dtype: torch.dtype) -> None:
+    q, k, v = _seq(dtype, 0)
+    full = _run(inv, q, k, v, 0, L)
+    # In the full pass the call walks 2 tiles; early queries see tile 1 fully masked (the hazard).
+    assert (L - 1) // KV_TILE == 1
+    for t in range(L):
+        assert_same_bits(_run(inv, q, k, v, t, t + 1)[0, 0], full[0, t], f"decode t={t}")
+    for split in range(1, L):
+        chunked = torch.cat([_run(inv, q, k, v, 0, split), _run(inv, q, k, v, split, L)], dim=1)
+        assert_same_bits(chunked, full, f"split={split}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_capacity_does_not_matter(inv: InvariantOps, dtype: torch.dtype) -> None:
+    q, k, v = _seq(dtype, 1)
+    ref = _run(inv, q, k, v, 0, L, capacity=L)  # last tile cut short by the cache end
+    for capacity in (L + 1, 64, 65, 200):
+        assert_same_bits(_run(inv, q, k, v, 0, L, capacity), ref, f"S={capacity}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_neighbours_do_not_matter(inv: InvariantOps, dtype: torch.dtype) -> None:
+    q, k, v = _seq(dtype, 2)
+    alone = _run(inv, q, k, v, 0, L)
+    for n, at in [(2, 0), (3, 2), (5, 3)]:
+        others = [_seq(dtype, 10 + i, length=L) for i in range(n)]
+        qs, ks, vs = (torch.cat([o[i] for o in others]) for i in range(3))
+        qs[at], ks[at], vs[at] = q[0], k[0], v[0]
+        pos = torch.arange(L).repeat(n, 1)
+        pos[(at + 1) % n, 25:] = -1  # a shorter neighbour with padding queries
+        out = inv.attention(qs, _cache(ks, L, 64), _cache(vs, L, 64), pos, SCALE)
+        assert_same_bits(out[at : at + 1], alone, f"n={n} at={at}")
+
+
+def test_padding_queries_and_length_one(inv: InvariantOps) -> None:
+    q, k, v = _seq(torch.float32, 3, length=1)
+    pos = torch.tensor([[-1]])
+    out = inv.attention(q, _cache(k, 1, 8), _cache(v, 1, 8), pos, SCALE)
+    assert bool((out == 0).all())
+    # A length-1 sequence attends to its own slot only: the output is v exactly (softmax weight 1).
+    out = inv.attention(q, _cache(k, 1, 8), _cache(v, 1, 8), torch.tensor([[0]]), SCALE)
+    assert_same_bits(out[0, 0], v[0, 0].repeat_interleave(HQ // HKV, dim=0))
+
+
+def test_negative_zero_values_give_same_bits(inv: InvariantOps) -> None:
+    # Value column 0 is -0.0 at every visible slot; masked slots past the query hold +5 in the full
+    # pass and nothing in decode. Both must produce the same (canonical) zero.
+    q, k, v = _seq(torch.float32, 4)
+    v[..., 0] = 5.0
+    v[:, :10, :, 0] = -0.0
+    full = _run(inv, q, k, v, 0, L)
+    for t in range(10):
+        assert_same_bits(_run(inv, q, k, v, t, t + 1)[0, 0], full[0, t], f"t={t}")
+        assert bool((full[0, t, :, 0] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_agrees_with_default(inv: InvariantOps, dtype: torch.dtype) -> None:
+    q, k, v = _seq(dtype, 5)
+    pos = torch.arange(L)[None].clone()
+    pos[0, :2] = -1
+    kc, vc = _cache(k, L, 64).nan_to_num(0.0), _cache(v, L, 64).nan_to_num(0.0)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(
+        inv.attention(q, kc, vc, pos, SCALE), DefaultOps().attention(q, kc, vc, pos, SCALE), **tol
+    )
+
+
+def _grads(ops, q, k, v) -> tuple[torch.Tensor, ...]:  # type: ignore[no-untyped-def]
+    q, kc, vc = q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_()
+    pos = torch.arange(q.shape[1])[None].clone()
+    pos[0, 0] = -1
+    out = ops.attention(q, kc, vc, pos, SCALE)
+    return torch.autograd.grad(
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum(), (q, kc, vc)
+    )
+
+
+def test_backward_matches_default_and_is_deterministic(inv: InvariantOps) -> None:
+    q, k, v = _seq(torch.float32, 6)
+    got, want = _grads(inv, q, k, v), _grads(DefaultOps(), q, k, v)
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
+    for g, again in zip(got, _grads(inv, q, k, v), strict=True):
+        assert_same_bits(g, again)
+    with torch.no_grad():
+        scoring = inv.attention(q, k, v, torch.arange(L)[None], SCALE)
+    grad_mode = inv.attention(q.clone().requires_grad_(), k, v, torch.arange(L)[None], SCALE)
+    assert_same_bits(grad_mode, scoring, "grad forward vs scoring forward")
