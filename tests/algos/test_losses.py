@@ -1,0 +1,220 @@
+"""policy_loss per correction against hand-worked values on one three-token sequence (see _builders):
+
+    token           0      1      2
+    q              -1     -2    -0.5
+    A               1     -2     0.5
+    trainer ratio  1.5    1.0    0.5     (= lag ratio q / old, old defaulting to prefill)
+    numerical      2.0    0.8    0.4     (decode x sampler)
+    total          3.0    0.8    0.2
+    num_tokens = 4 (global count: another micro-batch holds one more token)
+
+If a change breaks one of these, it changes the gradient a training run receives.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlfw.algos import CorrectionConfig, LossInputs, policy_loss
+from rlfw.algos.ppo import ppo_surrogate
+from rlfw.algos.weights import ppo_weight
+
+from ._builders import NUM_TOKENS, t, three_tokens
+
+CASES = [
+    # none: loss = -sum(A q) / 4 = -(1*-1 + -2*-2 + 0.5*-0.5) / 4 = -(2.75) / 4; grad = -A / 4
+    ("none", {}, -0.6875, [-0.25, 0.5, -0.125], {}),
+    # tis C=2 on total: w = [2, 0.8, 0.2]; loss = -(2*-1 + 0.8*4 + 0.2*-0.25) / 4 = -1.15 / 4; grad = -w A / 4
+    ("tis", {}, -0.2875, [-0.5, 0.4, -0.025], {"ratio/total/clip_frac": 1 / 3}),
+    # tis on the sampler factor only: w = [2, 1, 0.4]; loss = -(-2 + 4 - 0.1) / 4 = -0.475
+    ("tis", {"factors": ("sampler",)}, -0.475, [-0.5, 0.5, -0.05], {"ratio/sampler/clip_frac": 0.0}),
+    # tis on trainer x sampler: w = [min(3, 2), 1, 0.2]; loss = -(-2 + 4 - 0.05) / 4 = -0.4875
+    (
+        "tis",
+        {"factors": ("sampler", "trainer")},
+        -0.4875,
+        [-0.5, 0.5, -0.025],
+        {"ratio/trainer+sampler/clip_frac": 1 / 3},
+    ),
+    # mis token [0.5, 2] on total: keep token 1 only, w = [0, 0.8, 0]; loss = -(0.8 * 4) / 4 = -0.8
+    ("mis", {}, -0.8, [0.0, 0.4, 0.0], {"ratio/total/mask_frac": 2 / 3}),
+    # mis sequence, default window (0.999, 1.001): geometric mean (3 * 0.8 * 0.2)^(1/3) = 0.783 -> all dropped
+    ("mis", {"mis_level": "sequence"}, 0.0, [0.0, 0.0, 0.0], {"ratio/total/mask_frac": 1.0}),
+    # mis sequence, window (0.5, 2): 0.783 kept; tokens keep their own ratio w = [3, 0.8, 0.2]
+    # loss = -(3*-1 + 0.8*4 + 0.2*-0.25) / 4 = -0.15 / 4
+    ("mis", {"mis_level": "sequence", "mis_bounds": (0.5, 2.0)}, -0.0375, [-0.75, 0.4, -0.025], {}),
+    # icepop [0.5, 5] on numerical [2, 0.8, 0.4]: token 2 dropped; PPO on lag r = [1.5, 1, 0.5], eps 0.2:
+    # token 0: A > 0, r > 1.2 -> clipped value -1.2 (no grad); token 1: -A r = 2, grad -A r = 2.
+    # loss = (2 * -1.2 + 0.8 * 2) / 4 = -0.2; grad = [0, 0.8 * 2 / 4, 0]
+    ("icepop", {}, -0.2, [0.0, 0.4, 0.0], {"ratio/numerical/mask_frac": 1 / 3, "ratio/lag/clip_frac": 1 / 3}),
+    # ppo_sampler, eps 0.2: token 0 clipped -1.2; token 1: 2; token 2: A > 0, r = 0.5 below the window is not
+    # clipped for a positive advantage: max(-0.25, -0.4) = -0.25. loss = (-1.2 + 2 - 0.25) / 4 = 0.1375
+    # grad = -A r / 4 on unclipped tokens = [0, 2/4, -0.25/4]
+    ("ppo_sampler", {}, 0.1375, [0.0, 0.5, -0.0625], {"ratio/lag/clip_frac": 1 / 3}),
+    # asymmetric: clip_eps_high 0.6 lets token 0 (r = 1.5 <= 1.6) through: (-1.5 + 2 - 0.25) / 4 = 0.0625
+    ("ppo_sampler", {"clip_eps_high": 0.6}, 0.0625, [-0.375, 0.5, -0.0625], {"ratio/lag/clip_frac": 0.0}),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "loss", "grad", "fracs"), CASES)
+def test_policy_loss_closed_form(
+    name: str, overrides: dict[str, object], loss: float, grad: list[float], fracs: dict[str, float]
+) -> None:
+    inputs = three_tokens()
+    value, metrics = policy_loss(inputs, CorrectionConfig(name=name, **overrides))
+    assert value.item() == pytest.approx(loss, abs=1e-12)
+    value.backward()
+    assert torch.allclose(inputs.trainer_logp.grad, t([grad]), atol=1e-12)
+    for key, frac in fracs.items():
+        assert metrics[key].item() == pytest.approx(frac)
+    assert metrics["loss/policy"].item() == pytest.approx(loss, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "adv", "dual_clip", "loss", "grad"),
+    [
+        (1.1, 1.0, None, -1.1, -1.1),  # inside the window: -A r, d/dlog r = -A r
+        (1.5, 1.0, None, -1.2, 0.0),  # A > 0 above 1 + eps: flat at -1.2
+        (0.5, 1.0, None, -0.5, -0.5),  # A > 0 below 1 - eps: min(rA, clip A) = rA, still has gradient
+        (0.5, -1.0, None, 0.8, 0.0),  # A < 0 below 1 - eps: flat at -clip(r) A = 0.8
+        (4.0, -1.0, None, 4.0, 4.0),  # A < 0 far above: unbounded without dual clip
+        (4.0, -1.0, 3.0, 3.0, 0.0),  # dual clip c = 3 caps it at -c A = 3
+        (2.0, -1.0, 3.0, 2.0, 2.0),  # below c the dual clip does nothing
+    ],
+)
+def test_ppo_surrogate_and_its_score_weight(
+    ratio: float, adv: float, dual_clip: float | None, loss: float, grad: float
+) -> None:
+    log_ratio = torch.log(t([ratio])).requires_grad_()
+    value, clipped = ppo_surrogate(log_ratio, t([adv]), 0.2, 0.2, dual_clip)
+    value.sum().backward()
+    assert value.item() == pytest.approx(loss)
+    assert log_ratio.grad.item() == pytest.approx(grad)
+    assert clipped.item() == (grad == 0.0)
+    # The score-function form used by centering and dlc has the same gradient: -sg(w) A d log q.
+    w = ppo_weight(t([ratio]), t([adv]), 0.2, 0.2, dual_clip)
+    assert (-w * adv).item() == pytest.approx(grad)
+
+
+@pytest.mark.parametrize("name", ["none", "tis", "mis", "icepop", "ppo_sampler"])
+def test_gradient_reaches_only_the_trainer_stream(name: str) -> None:
+    base = three_tokens()
+    streams = ("trainer_logp", "sampler_logp", "decode_logp", "prefill_logp")
+    leaves = {k: getattr(base, k).detach().clone().requires_grad_() for k in streams}
+    leaves["advantages"] = t([[1.0, -2.0, 0.5]], grad=True)
+    old = (leaves["prefill_logp"].detach() + 0.1).requires_grad_()
+    inputs = LossInputs(**leaves, old_logp=old, mask=torch.ones(1, 3), num_tokens=NUM_TOKENS)
+    loss, _ = policy_loss(inputs, CorrectionConfig(name=name, mis_bounds=(0.1, 10.0)))
+    loss.backward()
+    assert leaves["trainer_logp"].grad is not None and leaves["trainer_logp"].grad.abs().sum() > 0
+    for key in ("sampler_logp", "decode_logp", "prefill_logp", "advantages"):
+        assert leaves[key].grad is None, key
+    assert old.grad is None
+
+
+def test_old_logp_is_the_ppo_reference() -> None:
+    # old = q - log 1.1 for every token: r = 1.1 inside the window everywhere.
+    q = t([[-1.0, -2.0, -0.5]])
+    loss, metrics = policy_loss(
+        three_tokens(old_logp=q - torch.log(t(1.1))), CorrectionConfig(name="ppo_sampler")
+    )
+    # loss = -sum(A r) / 4 = -1.1 * (1 - 2 + 0.5) / 4 = 0.1375
+    assert loss.item() == pytest.approx(0.1375)
+    assert metrics["ratio/lag/mean"].item() == pytest.approx(1.1)
+    assert metrics["ratio/trainer/mean"].item() == pytest.approx(1.0)  # (1.5 + 1 + 0.5) / 3: prefill, not old
+
+
+def test_metrics_closed_form() -> None:
+    _, m = policy_loss(three_tokens(), CorrectionConfig(name="none"))
+    for f in ("trainer", "decode", "sampler", "total", "lag"):
+        for stat in ("mean", "max_abs_log", "k3_kl", "hist"):
+            assert f"ratio/{f}/{stat}" in m
+    assert m["ratio/total/mean"].item() == pytest.approx(4.0 / 3.0)  # (3 + 0.8 + 0.2) / 3
+    assert m["ratio/decode/mean"].item() == pytest.approx(2.8 / 3.0)  # (1 + 0.8 + 1) / 3
+    assert torch.allclose(m["ratio/sampler/hist"], torch.log(t([2.0, 1.0, 0.4])))
+    # ESS/N of the total: (3 + 0.8 + 0.2)^2 / (3 * (9 + 0.64 + 0.04)) = 16 / 29.04
+    assert m["ess/total"].item() == pytest.approx(16 / 29.04)
+    # ESS/N of the lag [1.5, 1, 0.5]: 9 / (3 * 3.5)
+    assert m["ess/lag"].item() == pytest.approx(9 / 10.5)
+    assert all(not v.requires_grad for v in m.values())
+
+
+def test_metrics_cover_the_ratio_a_correction_acts_on() -> None:
+    _, m = policy_loss(three_tokens(), CorrectionConfig(name="icepop"))
+    assert m["ratio/numerical/mean"].item() == pytest.approx(3.2 / 3)  # (2 + 0.8 + 0.4) / 3
+
+
+def test_seq_mean_aggregation() -> None:
+    # Two sequences: [q = -1, -2, -0.5 | A = 1, -2, 0.5] and [q = -3 (one token) | A = 2]; none: loss -A q.
+    q = t([[-1.0, -2.0, -0.5], [-3.0, 0.0, 0.0]], grad=True)
+    zeros = torch.zeros(2, 3, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    adv = t([[1.0, -2.0, 0.5], [2.0, 0.0, 0.0]])
+    fields = {"sampler_logp": q.detach(), "decode_logp": q.detach(), "prefill_logp": q.detach() + zeros}
+    inputs = LossInputs(trainer_logp=q, advantages=adv, mask=mask, num_tokens=4, num_sequences=4, **fields)
+    loss, _ = policy_loss(inputs, CorrectionConfig(aggregation="seq_mean"))
+    # per-sequence means: -(2.75) / 3 and -(-6) / 1 = 6; summed over the 4 global sequences: (6 - 0.91667) / 4
+    assert loss.item() == pytest.approx((6 - 2.75 / 3) / 4)
+    token_loss, _ = policy_loss(inputs, CorrectionConfig(aggregation="token_mean"))
+    assert token_loss.item() == pytest.approx((6 - 2.75) / 4)  # sum -A q over 4 tokens / 4
+
+
+def test_seq_mean_needs_num_sequences() -> None:
+    with pytest.raises(ValueError, match="num_sequences"):
+        policy_loss(three_tokens(), CorrectionConfig(aggregation="seq_mean"))
+
+
+def test_micro_batches_add_up_to_the_full_batch() -> None:
+    # The token count is passed in, not taken from the micro-batch: two halves sum to the whole.
+    cfg = CorrectionConfig(name="tis")
+    full = three_tokens()
+    whole, _ = policy_loss(full, cfg)
+    whole.backward()
+    parts = []
+    for keep in ([1, 1, 0], [0, 0, 1]):
+        part = three_tokens(mask=torch.tensor([keep]))
+        value, _ = policy_loss(part, cfg)
+        value.backward()
+        parts.append((value, part.trainer_logp.grad))
+    assert (parts[0][0] + parts[1][0]).item() == pytest.approx(whole.item(), abs=1e-15)
+    assert torch.allclose(parts[0][1] + parts[1][1], full.trainer_logp.grad, atol=1e-15)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_tokens_are_dropped_counted_and_keep_gradients_finite(bad: float) -> None:
+    clean = three_tokens(mask=torch.tensor([[1, 0, 1]]))
+    expected, _ = policy_loss(clean, CorrectionConfig(name="tis"))
+    sampler = three_tokens().sampler_logp.clone()
+    sampler[0, 1] = bad
+    dirty = three_tokens(sampler_logp=sampler)
+    loss, metrics = policy_loss(dirty, CorrectionConfig(name="tis"))
+    loss.backward()
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-15)
+    assert metrics["loss/nonfinite_tokens"].item() == 1
+    assert torch.isfinite(dirty.trainer_logp.grad).all() and dirty.trainer_logp.grad[0, 1] == 0
+    assert torch.isfinite(metrics["ratio/total/mean"])
+
+
+def test_mask_accepts_float_zero_one() -> None:
+    a, _ = policy_loss(three_tokens(mask=torch.tensor([[1.0, 0.0, 1.0]])), CorrectionConfig(name="tis"))
+    b, _ = policy_loss(three_tokens(mask=torch.tensor([[True, False, True]])), CorrectionConfig(name="tis"))
+    assert a.item() == b.item() != 0.0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("advantages", torch.zeros(1, 4), "LossInputs.advantages has shape"),
+        ("trainer_topk_logp", torch.zeros(1, 3, 2), "top-k tensors must all be"),
+        ("num_tokens", 0, "num_tokens must be > 0"),
+    ],
+)
+def test_loss_inputs_validation(field: str, value: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        three_tokens(**{field: value, "sampler_topk_logp": torch.zeros(1, 3, 3)})
+
+
+def test_centering_without_top_k_names_the_missing_inputs() -> None:
+    with pytest.raises(ValueError, match="trainer_topk_logp"):
+        policy_loss(three_tokens(), CorrectionConfig(name="centering"))

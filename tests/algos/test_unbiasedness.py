@@ -1,0 +1,120 @@
+"""Exact expectations over a small categorical policy (all actions enumerated, no sampling).
+
+The expected gradient of each correction's loss under the sampler mu is compared with the on-policy
+gradient -E_p[A grad log p] and with the closed form of its bias. rho = p / mu, s_a = onehot(a) - p.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlfw.algos import CorrectionConfig
+
+from ._categorical import ADV, LOGITS, MILD, WIDE, expected_grad, score, true_loss_grad
+
+TOL = 1e-12
+
+
+def _rho() -> torch.Tensor:
+    return LOGITS.softmax(0) / (LOGITS + WIDE).softmax(0)
+
+
+def test_the_wide_discrepancy_triggers_every_rule() -> None:
+    rho = _rho()  # preconditions, so the bias tests below cannot pass vacuously
+    assert (rho > 2).any() and (rho < 0.5).any() and (rho > 5).any()
+
+
+def test_untruncated_is_is_unbiased() -> None:
+    g = expected_grad(CorrectionConfig(name="tis", tis_cap=math.inf), LOGITS, LOGITS + WIDE, ADV)
+    assert torch.allclose(g, true_loss_grad(LOGITS, ADV), atol=TOL)
+
+
+def test_tis_bias_is_the_truncated_mass() -> None:
+    # E_mu[min(rho, C) A s] = E_p[A s] - E_mu[(rho - C)_+ A s]
+    # so in loss space (loss = -objective) the bias is +E_mu[(rho - C)_+ A s].
+    mu, rho = (LOGITS + WIDE).softmax(0), _rho()
+    bias = (mu * (rho - 2.0).clamp(min=0) * ADV) @ score(LOGITS)
+    g = expected_grad(CorrectionConfig(name="tis", tis_cap=2.0), LOGITS, LOGITS + WIDE, ADV)
+    assert bias.abs().max() > 1e-3
+    assert torch.allclose(g - true_loss_grad(LOGITS, ADV), bias, atol=TOL)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "window"),
+    [
+        (CorrectionConfig(name="mis"), (0.5, 2.0)),
+        (CorrectionConfig(name="icepop"), (0.5, 5.0)),  # no lag here (old = prefill = q): PPO ratio 1
+    ],
+)
+def test_masking_bias_is_the_masked_mass(cfg: CorrectionConfig, window: tuple[float, float]) -> None:
+    # E_mu[rho 1[kept] A s] = E_p[A s] - E_p[1[dropped] A s]: the bias is exactly the dropped on-policy mass.
+    # (Here trainer = prefill = decode, so the total and the numerical ratio coincide.)
+    p, rho = LOGITS.softmax(0), _rho()
+    dropped = ((rho < window[0]) | (rho > window[1])).to(p.dtype)
+    bias = (p * dropped * ADV) @ score(LOGITS)
+    g = expected_grad(cfg, LOGITS, LOGITS + WIDE, ADV)
+    assert dropped.sum() >= 1
+    assert torch.allclose(g - true_loss_grad(LOGITS, ADV), bias, atol=TOL)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_centering_with_untruncated_is_equals_plain_is(k: int) -> None:
+    # With phi(r) = r every centering coefficient is mu_v (p_v / mu_v) - p_v = 0, whatever the head size.
+    is_grad = expected_grad(CorrectionConfig(name="tis", tis_cap=math.inf), LOGITS, LOGITS + WIDE, ADV)
+    cfg = CorrectionConfig(name="centering", combine_with="tis", tis_cap=math.inf)
+    assert torch.allclose(expected_grad(cfg, LOGITS, LOGITS + WIDE, ADV, k=k), is_grad, atol=TOL)
+    assert torch.allclose(is_grad, true_loss_grad(LOGITS, ADV), atol=TOL)
+
+
+# Drift: constant reward, so the true gradient is 0, with a fixed numerical discrepancy between sampler and
+# trainer (trainer = engine weights; no lag). Plain PG drifts by -E_mu[s] = p - mu; the corrections that
+# are unbiased here, or centre the score under mu, give exactly 0; PPO clipped against the sampler's weights
+# sees ratio 1 and inherits the drift.
+ONES = torch.ones(5, dtype=torch.float64)
+DRIFT_FREE = [
+    CorrectionConfig(name="tis", tis_cap=math.inf),
+    CorrectionConfig(name="tis"),  # the cap C = 2 is not reached under the mild discrepancy
+    CorrectionConfig(name="mis"),  # nor is the window left
+    CorrectionConfig(name="centering"),
+    CorrectionConfig(
+        name="centering", combine_with="tis", tis_cap=1.1
+    ),  # truncation binds, centering removes it
+    CorrectionConfig(name="centering", combine_with="ppo", clip_eps=0.1),
+    CorrectionConfig(name="dlc"),
+]
+DRIFTING = [
+    CorrectionConfig(name="none"),
+    CorrectionConfig(name="ppo_sampler"),
+    CorrectionConfig(name="tis", tis_cap=1.1),
+]
+
+
+@pytest.mark.parametrize("cfg", DRIFT_FREE, ids=lambda c: f"{c.name}-{c.combine_with}-{c.tis_cap}")
+def test_no_drift_under_constant_reward(cfg: CorrectionConfig) -> None:
+    rho = LOGITS.softmax(0) / (LOGITS + MILD).softmax(0)
+    assert 0.8 < rho.min() and rho.max() < 1.6
+    g = expected_grad(cfg, LOGITS, LOGITS + MILD, ONES)
+    assert g.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("cfg", DRIFTING, ids=lambda c: f"{c.name}-{c.tis_cap}")
+def test_drift_under_constant_reward(cfg: CorrectionConfig) -> None:
+    g = expected_grad(cfg, LOGITS, LOGITS + MILD, ONES)
+    assert g.abs().max() > 1e-3
+    if cfg.name in ("none", "ppo_sampler"):  # plain PG and PPO at ratio 1: -E_mu[s] = -(mu - p)
+        drift = -((LOGITS + MILD).softmax(0) - LOGITS.softmax(0))
+        assert torch.allclose(g, drift, atol=TOL)
+
+
+def test_dlc_with_lag_scales_the_centred_score_by_the_clipped_lag_ratio() -> None:
+    # old = q - log 1.1 for every action: lag ratio 1.1, inside the clip window: every token's centred score
+    # is scaled by 1.1, so under constant reward the expectation is still exactly 0 and, with advantages,
+    # 1.1 times the lag-free one.
+    base = expected_grad(CorrectionConfig(name="dlc"), LOGITS, LOGITS + MILD, ADV)
+    lagged = expected_grad(CorrectionConfig(name="dlc"), LOGITS, LOGITS + MILD, ADV, old_shift=math.log(1.1))
+    assert torch.allclose(lagged, 1.1 * base, atol=TOL)
+    flat = expected_grad(CorrectionConfig(name="dlc"), LOGITS, LOGITS + MILD, ONES, old_shift=math.log(1.1))
+    assert flat.abs().max() < 1e-12
