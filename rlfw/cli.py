@@ -29,7 +29,14 @@ def cmd_train(overrides: list[str]) -> int:
 
 
 def cmd_audit(overrides: list[str]) -> int:
-    return _not_yet("audit", "the audit lands with the batch-invariant kernels and the execution contract")
+    import json
+
+    from rlfw.audit.ladder import run_audit
+    from rlfw.compose import load_config
+
+    report, code = run_audit(load_config(overrides))
+    print(json.dumps(report, indent=2))
+    return code
 
 
 def cmd_report(args: list[str]) -> int:

@@ -3,7 +3,7 @@
 from rlfw.model.cache import KVCache
 from rlfw.model.checkpoint import CheckpointError, from_pretrained, read_args, save_pretrained
 from rlfw.model.config import ModelArgs, ModelConfigError, args_from_hf_config
-from rlfw.model.presets import PRESETS, build_preset
+from rlfw.model.presets import DTYPES, PRESETS, build_preset, load_model
 from rlfw.model.routing import RouterTrace
 from rlfw.model.transformer import Transformer
 
@@ -17,6 +17,8 @@ __all__ = [
     "PRESETS",
     "args_from_hf_config",
     "build_preset",
+    "load_model",
+    "DTYPES",
     "from_pretrained",
     "read_args",
     "save_pretrained",

@@ -45,3 +45,17 @@ def build_preset(
     model = Transformer(PRESETS[name], kernels=kernels)
     model.init_weights(seed)
     return model.to(dtype).eval()
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_model(path: str | None, preset: str | None, dtype: str, kernels: str, seed: int = 0) -> Transformer:
+    """The model a run asks for: an HF checkpoint folder, or a built-in preset built from config."""
+    if path is not None:
+        from rlfw.model.checkpoint import from_pretrained
+
+        return from_pretrained(path, DTYPES[dtype], kernels=kernels)
+    if preset is None:
+        raise ValueError("set model.path (an HF checkpoint folder) or model.preset (a built-in tiny model)")
+    return build_preset(preset, dtype=DTYPES[dtype], seed=seed, kernels=kernels)

@@ -1,0 +1,1 @@
+"""``rlfw audit``: the validation ladder on one checkpoint."""

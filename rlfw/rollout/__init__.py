@@ -1,0 +1,1 @@
+"""Rollout: engines, sampling transforms and the four log-probability streams."""
