@@ -1,0 +1,98 @@
+"""Cost of ``kernels=invariant`` against ``kernels=default``: forward, decode step and training step.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/invariant_cost.py [--batch 8 --seq 64 --reps 20]
+
+Runs on CUDA when available (the invariant set then uses its Triton kernels natively), else on CPU
+(the exact torch path). Both op sets run the same weights; timings alternate between them, and the table
+reports medians and the ratio invariant / default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from rlfw.model import Transformer, build_preset
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def forward(model: Transformer, ids: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        with torch.no_grad():
+            model(ids)
+
+    return run
+
+
+def decode_step(model: Transformer, ids: torch.Tensor) -> Callable[[], None]:
+    """One token per row after a cached prefix: the engine's hot loop."""
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + 1)
+    with torch.no_grad():
+        model(ids, cache=cache)
+
+    def run() -> None:
+        cache.lengths.fill_(ids.shape[1])
+        with torch.no_grad():
+            model(ids[:, -1:], cache=cache)
+
+    return run
+
+
+def train_step(model: Transformer, ids: torch.Tensor) -> Callable[[], None]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def run() -> None:
+        logits = model(ids)
+        loss = -model.ops.token_logp(logits[:, :-1], ids[:, 1:]).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def paired(a: Callable[[], None], b: Callable[[], None], reps: int) -> tuple[float, float]:
+    a(), b()
+    ta, tb = [], []
+    for _ in range(reps):
+        for f, acc in ((a, ta), (b, tb)):
+            sync()
+            t0 = time.perf_counter()
+            f()
+            sync()
+            acc.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(1) if device == "cpu" else None
+    ids = torch.randint(4, 96, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    print(f"device {device}, input [{args.batch}, {args.seq}], fp32, median of {args.reps} paired runs")
+    print("| model | what | default ms | invariant ms | invariant / default |")
+    print("|---|---|---|---|---|")
+    for preset in ("tiny_dense", "tiny_moe"):
+        for what, make in (("forward", forward), ("decode step", decode_step), ("train step", train_step)):
+            runs = []
+            for kernels in ("default", "invariant"):
+                model = build_preset(preset, seed=0, kernels=kernels).to(device).train(what == "train step")
+                runs.append(make(model, ids))
+            t_def, t_inv = paired(runs[0], runs[1], args.reps)
+            print(f"| {preset} | {what} | {t_def * 1e3:.2f} | {t_inv * 1e3:.2f} | {t_inv / t_def:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
