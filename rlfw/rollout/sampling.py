@@ -13,6 +13,7 @@ kept); top-p ranks tokens by a stable descending sort (equal probabilities: lowe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -80,17 +81,29 @@ def quantize_fp8(x: Tensor) -> Tensor:
     return (xf / scale).to(torch.float8_e4m3fn).float() * scale
 
 
-def sampler_head(hidden: Tensor, weight: Tensor, precision: str) -> Tensor:
+def _matmul_t(x: Tensor, weight: Tensor) -> Tensor:
+    return x @ weight.T
+
+
+def sampler_head(
+    hidden: Tensor, weight: Tensor, precision: str, linear: Callable[[Tensor, Tensor], Tensor] | None = None
+) -> Tensor:
     """LM-head logits as a reduced-precision sampler computes them, returned in fp32.
 
     ``bf16``: hidden states and head weight in bf16, bf16 matmul. ``fp8``: both quantised through
     float8_e4m3fn (per-row scales), matmul in fp32 on the dequantised values, like a weight-and-activation
     FP8 sampler. ``fp32`` is not handled here: the engine uses its full-precision logits directly.
+
+    ``linear(x, weight) = x @ weight.T`` does the matmul (default: plain torch). The engine passes the
+    model's ``ops.linear`` so that under ``kernels=invariant`` the sampler's logits for a row do not depend
+    on the batch either: the sampler factor then measures the precision alone, and a seeded draw gives
+    the same token whatever sequences share the step.
     """
+    mm = linear or _matmul_t
     if precision == "bf16":
-        return (hidden.bfloat16() @ weight.bfloat16().T).float()
+        return mm(hidden.bfloat16(), weight.bfloat16()).float()
     if precision == "fp8":
-        return quantize_fp8(hidden) @ quantize_fp8(weight).T
+        return mm(quantize_fp8(hidden), quantize_fp8(weight))
     raise ValueError(f"sampler.precision={precision!r} has no reduced-precision head; allowed: bf16, fp8")
 
 

@@ -1,0 +1,99 @@
+"""The log-probability streams the engine records (design §2), computed from one place each.
+
+* ``sampler_logp`` (mu): the processed distribution the token is drawn from, whose logits come from the
+  sampler head at ``sampler.precision`` (fp32: the decode logits themselves).
+* ``decode_logp`` (s^D): the decode step's full-precision logits, same transforms.
+* ``prefill_logp`` (s^P): one prefill forward over the finished sequence, same transforms.
+
+All three are ``ops.token_logp(process_logits(logits), token)``, the exact expression the trainer
+replays, so under ``kernels=invariant`` and an fp32 sampler they agree bit for bit and any difference
+names its source. A token drawn by a reduced-precision sampler may lie outside the decode path's kept
+set (a top-k/top-p boundary moved); its ``decode_logp`` is then ``-inf``, reported, not hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlfw.kernels import Ops
+from rlfw.model import Transformer
+from rlfw.rollout.sampling import Transforms, process_logits, sampler_head
+
+
+@dataclass
+class NextTokenLogits:
+    """fp32 processed logits ``[B, V]`` for the next token of each row, per stream."""
+
+    decode: Tensor
+    sampler: Tensor
+
+
+@dataclass
+class TokenStreams:
+    """What a decode step records for the token of each row (``[B]`` / ``[B, K]``)."""
+
+    sampler_logp: Tensor
+    decode_logp: Tensor
+    topk_ids: Tensor
+    topk_logp: Tensor
+
+    def cpu(self) -> TokenStreams:
+        """Records leave the engine on the CPU (they cross actor boundaries)."""
+        fields = (self.sampler_logp, self.decode_logp, self.topk_ids, self.topk_logp)
+        return TokenStreams(*(t.cpu() for t in fields))
+
+    def row(self, i: int) -> TokenStreams:
+        """Row ``i`` of a batched step (0-d log-probs, ``[K]`` top-k)."""
+        return TokenStreams(self.sampler_logp[i], self.decode_logp[i], self.topk_ids[i], self.topk_logp[i])
+
+
+def next_token_logits(
+    model: Transformer, hidden_BH: Tensor, transforms: Transforms, precision: str
+) -> NextTokenLogits:
+    """Processed decode logits and processed sampler logits from the decode step's hidden states."""
+    decode = process_logits(model.ops.linear(hidden_BH, model.output_weight), transforms)
+    if precision == "fp32":
+        return NextTokenLogits(decode, decode)
+    head = sampler_head(hidden_BH, model.output_weight, precision, model.ops.linear)
+    sampler = process_logits(head, transforms)
+    return NextTokenLogits(decode, sampler)
+
+
+def sampler_topk(ops: Ops, sampler_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The sampler's ``k`` most likely ids ``[B, k]`` and their log-probs (stable: ties to the lower id).
+
+    ``k`` is capped at the vocabulary size. Tokens outside the kept set carry ``-inf``; they appear
+    when fewer than ``k`` tokens survive the transforms.
+    """
+    logp = ops.log_softmax(sampler_BV)
+    k = min(k, logp.shape[-1])
+    order = torch.sort(logp, dim=-1, descending=True, stable=True).indices[:, :k]
+    return order, logp.gather(-1, order)
+
+
+def token_streams(ops: Ops, logits: NextTokenLogits, tokens_B: Tensor, k: int) -> TokenStreams:
+    """Sampler and decode log-probs of the chosen tokens, and the sampler's top-k."""
+    topk_ids, topk_logp = sampler_topk(ops, logits.sampler, k)
+    return TokenStreams(
+        sampler_logp=ops.token_logp(logits.sampler, tokens_B),
+        decode_logp=ops.token_logp(logits.decode, tokens_B),
+        topk_ids=topk_ids,
+        topk_logp=topk_logp,
+    )
+
+
+def response_logp(
+    model: Transformer, hidden_SH: Tensor, prompt_len: int, response_T: Tensor, transforms: Transforms
+) -> Tensor:
+    """``prefill_logp [T]`` from the hidden states ``[P + T, hidden]`` of one finished sequence.
+
+    The LM head runs over every position, as in the trainer's scoring forward; response token ``t`` is
+    scored at position ``P - 1 + t``.
+    """
+    logits = model.ops.linear(hidden_SH, model.output_weight)
+    t = response_T.shape[0]
+    processed = process_logits(logits[prompt_len - 1 : prompt_len - 1 + t], transforms)
+    return model.ops.token_logp(processed, response_T.to(processed.device)).cpu()

@@ -1,0 +1,97 @@
+"""The typed records that cross actor boundaries. Ray actors exchange only these.
+
+Shapes use suffixes where it helps: ``_T`` per response token, ``_P`` per prompt token, ``_K`` top-k,
+``_L`` per MoE layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+STREAMS = ("sampler_logp", "decode_logp", "prefill_logp", "trainer_logp")
+
+
+@dataclass
+class Sample:
+    """One generated response and everything measured about each of its tokens.
+
+    Invariants: every per-token array (``*_logp``, ``version_T``, ``kv_version_T``, ``topk_*``) has the
+    length of ``response_T``; ``routed_experts`` (MoE only) covers prompt then response tokens,
+    ``[P + T, n_moe_layers, k]``; ``trainer_logp`` is ``None`` until the trainer fills it in.
+    Log-probs are fp32 and of the *processed* distribution (after the declared sampling transforms).
+    A token a reduced-precision sampler drew outside the decode path's kept set (a top-k/top-p
+    boundary moved) has ``decode_logp``/``prefill_logp`` ``-inf``: reported, never clamped.
+    ``routed_experts[p]`` are the ids used when position ``p`` was fed to the model (prompt prefill or
+    decode step; after an in-flight ``kv_policy=recompute`` update, the re-prefill's); the last
+    response token, which no decode step feeds, takes the ids of the final prefill.
+    """
+
+    prompt_id: int  # which prompt; samples of one GRPO group share it
+    sample_index: int  # index within the group, 0 .. n-1
+    prompt_P: Tensor  # int64 prompt token ids
+    response_T: Tensor  # int64 generated token ids (stop token included when one was drawn)
+    sampler_logp: Tensor  # mu: as recorded when drawn, at the sampler's precision
+    decode_logp: Tensor  # s^D: decode path, full precision, at the token's version
+    prefill_logp: Tensor  # s^P: one prefill of the finished sequence at its final version
+    version_T: Tensor  # int64 weight version each token was sampled with
+    kv_version_T: Tensor  # int64 oldest weight version in the KV entries each token attended to
+    topk_ids: Tensor  # int64 [T, K] the sampler's top-k ids
+    topk_logp: Tensor  # fp32 [T, K] their sampler log-probs
+    finish_reason: str  # "stop" (a stop token was drawn) or "length" (max_new_tokens reached)
+    final_version: int  # weight version when the sequence finished (prefill_logp's version)
+    routed_experts: Tensor | None = None  # int64 [P + T, n_moe_layers, k] expert ids (MoE), for R3
+    trainer_logp: Tensor | None = None  # q: filled in by the trainer
+    reward: float | None = None  # filled in by the task's reward function
+
+    def __post_init__(self) -> None:
+        n = self.response_T.shape[0]
+        per_token = {
+            "sampler_logp": self.sampler_logp,
+            "decode_logp": self.decode_logp,
+            "prefill_logp": self.prefill_logp,
+            "version_T": self.version_T,
+            "kv_version_T": self.kv_version_T,
+            "topk_ids": self.topk_ids,
+            "topk_logp": self.topk_logp,
+        }
+        for name, t in per_token.items():
+            if t.shape[0] != n:
+                raise ValueError(f"Sample.{name} has {t.shape[0]} entries for {n} response tokens")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != self.prompt_P.shape[0] + n:
+            raise ValueError("Sample.routed_experts must cover prompt and response tokens")
+
+    @property
+    def tokens(self) -> Tensor:
+        """Prompt then response, int64 ``[P + T]``."""
+        return torch.cat([self.prompt_P, self.response_T])
+
+
+@dataclass
+class GenerationRequest:
+    """Prompts for one rollout round: ``n`` samples each (a GRPO group shares the prompt's prefill).
+
+    A draw is seeded by (seed, prompt_id, sample_index, step), so ``prompt_ids`` must be unique within a
+    request; pass a different ``seed`` per round to get fresh samples of a prompt seen before.
+    """
+
+    prompt_ids: list[int]  # ids of the prompts, for grouping, bookkeeping and seeding
+    prompts: list[Tensor]  # int64 [P] token ids per prompt
+    n: int = 1  # samples per prompt
+    max_new_tokens: int = 32  # response length cap
+    seed: int | None = None  # sampling seed of this round; None: the engine's seed
+
+
+@dataclass
+class WeightUpdate:
+    """A published set of trainer weights.
+
+    ``contract_hash`` is the trainer's execution-contract hash; an engine whose own hash differs refuses
+    the update (the error names the differing entries when both contracts are at hand).
+    """
+
+    version: int
+    contract_hash: str
+    state_dict: dict[str, Tensor] = field(default_factory=dict)
