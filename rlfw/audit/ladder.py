@@ -20,6 +20,7 @@ from rlfw.audit.streams import all_cases, pad_right, sample_continuations
 from rlfw.config import RunConfig
 from rlfw.contract import PAIRS, ExecutionContract, build_contract, pair_name
 from rlfw.model import Transformer, load_model, save_pretrained
+from rlfw.rollout.engine import NativeEngine
 from rlfw.rollout.sampling import Transforms
 
 PROMPT_LENS = (5, 9, 3, 12)
@@ -125,7 +126,16 @@ def run_audit(run: RunConfig) -> tuple[dict[str, Any], int]:
     gen = torch.Generator().manual_seed(run.seed)
     prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=gen) for n in PROMPT_LENS]
     seqs = sample_continuations(model, prompts, list(RESPONSE_LENS), t, run.seed)
-    cases = all_cases(model, seqs, list(PROMPT_LENS), t, run.engine.sampler.precision)
+    engine = NativeEngine(
+        model,
+        t,
+        run.engine.sampler.precision,
+        max_slots=3,
+        max_model_len=max(p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True)),
+        topk_logprobs=run.engine.sampler.topk_logprobs,
+        contract_hash=contract.hash,
+    )
+    cases = all_cases(model, engine, seqs, list(PROMPT_LENS), t)
     pairs = compare_pairs(cases, contract)
     invariance = batch_invariance(model, seqs)
     claims_invariance = model.ops.name == "invariant"

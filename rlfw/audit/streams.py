@@ -1,10 +1,9 @@
 """The five log-prob cases on the same prompts and continuations, computed the way each case runs.
 
 ``trainer_grad`` and ``trainer_score`` run the full sequences without a cache (with and without
-autograd); ``engine_prefill`` runs them through the slotted KV cache in one prefill; ``engine_decode``
-prefills the prompts and then feeds the continuation one token per step; ``sampler`` reads the decode
-steps' hidden states through the sampler's head at its precision. Every case applies the same
-declared sampling transforms before taking log-probs.
+autograd), as the trainer does. ``engine_prefill``, ``engine_decode`` and ``sampler`` come from the
+engine itself, teacher-forced on the continuations: its decode loop, its sampler head at the sampler's
+precision and its final prefill. Every case applies the same declared sampling transforms.
 """
 
 from __future__ import annotations
@@ -13,7 +12,9 @@ import torch
 from torch import Tensor
 
 from rlfw.model import Transformer
-from rlfw.rollout.sampling import Transforms, draw, process_logits, sampler_head, step_seed
+from rlfw.rollout.engine import NativeEngine
+from rlfw.rollout.sampling import Transforms, draw, process_logits, step_seed
+from rlfw.types import GenerationRequest
 
 
 def pad_right(seqs: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -51,67 +52,27 @@ def full_sequence(
         return _response_logp(model, logits, seqs, prompt_lens, t)
 
 
-def decode(
-    model: Transformer, seqs: list[Tensor], prompt_lens: list[int], t: Transforms, precision: str
-) -> tuple[list[Tensor], list[Tensor]]:
-    """(decode, sampler) log-probs of each response token, one decode step per token."""
-    n = len(seqs)
-    cache = model.new_cache(n, max(s.shape[0] for s in seqs))
-    prompts, pmask = pad_right([s[:p] for s, p in zip(seqs, prompt_lens, strict=True)])
-    dec: list[list[Tensor]] = [[] for _ in range(n)]
-    smp: list[list[Tensor]] = [[] for _ in range(n)]
-    with torch.no_grad():
-        h = model.hidden_states(prompts, pmask, cache=cache)
-        last = h[torch.arange(n), torch.tensor(prompt_lens) - 1][:, None]
-        for step in range(max(s.shape[0] - p for s, p in zip(seqs, prompt_lens, strict=True))):
-            _score_step(model, last, seqs, prompt_lens, step, t, precision, dec, smp)
-            tokens, mask = _next_inputs(seqs, prompt_lens, step)
-            if not mask.any():
-                break
-            last = model.hidden_states(tokens, mask, cache=cache)
-    return [torch.cat(x) for x in dec], [torch.cat(x) for x in smp]
-
-
-def _score_step(
-    model: Transformer,
-    h: Tensor,
-    seqs: list[Tensor],
-    prompt_lens: list[int],
-    step: int,
-    t: Transforms,
-    precision: str,
-    dec: list[list[Tensor]],
-    smp: list[list[Tensor]],
-) -> None:
-    logits = model.ops.linear(h, model.output_weight)[:, 0]
-    s_logits = logits if precision == "fp32" else sampler_head(h[:, 0], model.output_weight, precision)
-    for i, (s, p) in enumerate(zip(seqs, prompt_lens, strict=True)):
-        if p + step < s.shape[0]:
-            target = s[p + step : p + step + 1]
-            dec[i].append(model.ops.token_logp(process_logits(logits[i : i + 1], t), target))
-            smp[i].append(model.ops.token_logp(process_logits(s_logits[i : i + 1], t), target))
-
-
-def _next_inputs(seqs: list[Tensor], prompt_lens: list[int], step: int) -> tuple[Tensor, Tensor]:
-    """The response token each row feeds next (masked out once its response is consumed)."""
-    tokens = torch.zeros(len(seqs), 1, dtype=torch.long)
-    mask = torch.zeros_like(tokens)
-    for i, (s, p) in enumerate(zip(seqs, prompt_lens, strict=True)):
-        if p + step + 1 < s.shape[0]:
-            tokens[i, 0], mask[i, 0] = s[p + step], 1
-    return tokens, mask
+def engine_cases(engine: NativeEngine, seqs: list[Tensor], prompt_lens: list[int]) -> dict[str, list[Tensor]]:
+    """Prefill, decode and sampler streams from the engine, teacher-forced on the given continuations."""
+    prompts = [s[:p] for s, p in zip(seqs, prompt_lens, strict=True)]
+    forced = [s[p:] for s, p in zip(seqs, prompt_lens, strict=True)]
+    samples = engine.generate(
+        GenerationRequest(list(range(len(seqs))), prompts, n=1), forced_responses=forced
+    )
+    return {
+        "engine_prefill": [x.prefill_logp for x in samples],
+        "engine_decode": [x.decode_logp for x in samples],
+        "sampler": [x.sampler_logp for x in samples],
+    }
 
 
 def all_cases(
-    model: Transformer, seqs: list[Tensor], prompt_lens: list[int], t: Transforms, precision: str
+    model: Transformer, engine: NativeEngine, seqs: list[Tensor], prompt_lens: list[int], t: Transforms
 ) -> dict[str, list[Tensor]]:
-    decode_lp, sampler_lp = decode(model, seqs, prompt_lens, t, precision)
     return {
         "trainer_grad": full_sequence(model, seqs, prompt_lens, t, grad=True, cache=False),
         "trainer_score": full_sequence(model, seqs, prompt_lens, t, grad=False, cache=False),
-        "engine_prefill": full_sequence(model, seqs, prompt_lens, t, grad=False, cache=True),
-        "engine_decode": decode_lp,
-        "sampler": sampler_lp,
+        **engine_cases(engine, seqs, prompt_lens),
     }
 
 

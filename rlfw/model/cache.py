@@ -11,8 +11,8 @@ class KVCache:
 
     Slot row ``r`` holds one sequence; position ``p`` of that sequence lives at index ``p``, so a token's
     keys sit at the same place whether they were written by a prefill or a decode step. ``lengths[r]``
-    is how many positions row ``r`` holds. ``versions[r]`` is the oldest weight version among the
-    entries of row ``r``, for the per-token ``kv_version`` stream.
+    is how many positions row ``r`` holds. (Which weight version wrote the entries is the engine's
+    bookkeeping, per sequence.)
     """
 
     def __init__(
