@@ -1,0 +1,41 @@
+"""Scoring a batch of responses without letting one failing reward call end the run."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from rlfw.tasks.base import Problem, Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardResult:
+    """Rewards per response; ``None`` marks a sample whose reward call failed (to be dropped)."""
+
+    rewards: list[float | None]
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def num_failed(self) -> int:
+        return sum(r is None for r in self.rewards)
+
+
+def score(task: Task, problems: list[Problem], responses: list[str]) -> RewardResult:
+    """Call the task's reward on each response; exceptions and non-finite values are counted, not raised."""
+    rewards: list[float | None] = []
+    errors: list[str] = []
+    for problem, response in zip(problems, responses, strict=True):
+        try:
+            value = float(task.reward(problem, response))
+            if not math.isfinite(value):
+                raise ValueError(f"reward returned {value}")
+            rewards.append(value)
+        except Exception as err:  # noqa: BLE001 - a user reward function may raise anything
+            rewards.append(None)
+            errors.append(f"problem {problem.uid}: {type(err).__name__}: {err}")
+    if errors:
+        log.warning("%d reward call(s) failed; their samples are dropped. First: %s", len(errors), errors[0])
+    return RewardResult(rewards, errors)
