@@ -56,8 +56,24 @@ class ForwardContext:
         return self.cache.k[layer][self.slots, :span], self.cache.v[layer][self.slots, :span]
 
 
-def _linear(in_features: int, out_features: int) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=False)
+class Linear(nn.Module):
+    """A bias-free linear layer whose matmul is ``ctx.ops.linear``.
+
+    The matmul runs inside this module's own forward (not in its parent's), so frameworks that gather
+    parameters per module, such as ZeRO-3, see every weight used where it is used.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        return ctx.ops.linear(x, self.weight)
+
+
+def _linear(in_features: int, out_features: int) -> Linear:
+    return Linear(in_features, out_features)
 
 
 class RMSNorm(nn.Module):
@@ -87,15 +103,15 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         b, t, _ = x.shape
         ops = ctx.ops
-        q = ops.linear(x, self.q_proj.weight).view(b, t, self.num_heads, self.head_dim)
-        k = ops.linear(x, self.k_proj.weight).view(b, t, self.num_kv_heads, self.head_dim)
-        v = ops.linear(x, self.v_proj.weight).view(b, t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, ctx).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, ctx).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, ctx).view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
         q, k = ops.rope(q, ctx.cos, ctx.sin), ops.rope(k, ctx.cos, ctx.sin)
         k_all, v_all = ctx.store_kv(self.layer, k, v)
         out = ops.attention(q, k_all, v_all, ctx.positions, self.head_dim**-0.5)
-        return ops.linear(out.reshape(b, t, -1), self.o_proj.weight)
+        return self.o_proj(out.reshape(b, t, -1), ctx)
 
 
 class MLP(nn.Module):
@@ -108,11 +124,7 @@ class MLP(nn.Module):
         self.down_proj = _linear(intermediate_size, hidden_size)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        ops = ctx.ops
-        return ops.linear(
-            ops.silu_mul(ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)),
-            self.down_proj.weight,
-        )
+        return self.down_proj(ctx.ops.silu_mul(self.gate_proj(x, ctx), self.up_proj(x, ctx)), ctx)
 
 
 class MoE(nn.Module):
@@ -133,7 +145,7 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         """Gate weights fp32 ``[B, T, k]`` and expert ids ``[B, T, k]``: the router's or replayed."""
-        logits = ctx.ops.linear(x, self.gate.weight).float()
+        logits = self.gate(x, ctx).float()
         flat = logits.reshape(-1, logits.shape[-1])
         replay = ctx.routing.replay_ids(self.moe_index) if ctx.routing is not None else None
         if replay is None:
@@ -141,6 +153,9 @@ class MoE(nn.Module):
         else:
             ids = replay.reshape(-1, self.top_k).to(torch.long).clamp(0, len(self.experts) - 1)
             weights = ctx.ops.router_weights(flat, ids, self.norm_topk_prob)
+            if ctx.routing is not None:
+                own = ctx.ops.router_topk(flat.detach(), self.top_k, self.norm_topk_prob)[1]
+                ctx.routing.own.append(own.reshape(*x.shape[:-1], self.top_k))
         shape = (*x.shape[:-1], self.top_k)
         ids = ids.reshape(shape)
         if ctx.routing is not None:

@@ -16,11 +16,23 @@ class RouterTrace:
     gathered from it, so the router keeps its gradient. Padding positions are ignored.
 
     ``recorded``: filled by the forward, one ``[B, T, k]`` tensor per MoE layer, in layer order: the ids
-    actually used (the replayed ones under replay).
+    actually used (the replayed ones under replay). ``own``: under replay, the ids the router would have
+    chosen itself, for ``router/replay_mismatch_frac`` (padding positions included).
     """
 
     replay: Tensor | None = None
     recorded: list[Tensor] = field(default_factory=list)
+    own: list[Tensor] = field(default_factory=list)  # under replay: the router's own top-k, per layer
+
+    def replay_mismatch_frac(self) -> float:
+        """Under replay: the fraction of (token, layer) whose own top-k set differs from the replayed one."""
+        import torch
+
+        if not self.own:
+            return 0.0
+        own = torch.stack(self.own, dim=2).sort(-1).values
+        used = self.stacked().sort(-1).values
+        return float((own != used).any(-1).float().mean().item())
 
     def replay_ids(self, moe_index: int) -> Tensor | None:
         return None if self.replay is None else self.replay[:, :, moe_index]

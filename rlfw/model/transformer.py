@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from rlfw.kernels import Ops, get_ops
 from rlfw.model.cache import KVCache
 from rlfw.model.config import ModelArgs
-from rlfw.model.layers import Block, ForwardContext, RMSNorm
+from rlfw.model.layers import Block, ForwardContext, Linear, RMSNorm
 from rlfw.model.routing import RouterTrace
 
 
@@ -44,9 +44,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.model = Backbone(args)
-        self.lm_head = (
-            None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        )
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
         self.ops: Ops = get_ops(kernels)
 
     def set_kernels(self, name: str) -> None:
@@ -87,6 +85,34 @@ class Transformer(nn.Module):
                 )
         return pos.masked_fill(mask == 0, -1)
 
+    def _run(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        slots: Tensor | None = None,
+        routing: RouterTrace | None = None,
+    ) -> tuple[Tensor, ForwardContext]:
+        """Final-norm hidden states ``[B, T, hidden]`` and the call's context."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if cache is not None and slots is None:
+            slots = torch.arange(input_ids.shape[0], device=input_ids.device)
+        positions = self.positions(attention_mask, cache, slots)
+        cos, sin = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
+        ctx = ForwardContext(self.ops, positions, cos, sin, cache, slots, routing)
+        if routing is not None:
+            routing.recorded.clear()
+            routing.own.clear()
+        x = self.model.embed_tokens(input_ids)
+        for block in self.model.layers:
+            x = block(x, ctx)
+        if cache is not None:
+            assert slots is not None
+            cache.lengths[slots] += attention_mask.to(torch.long).sum(dim=1)
+        return self.model.norm(x, ctx), ctx
+
     def hidden_states(
         self,
         input_ids: Tensor,
@@ -97,22 +123,7 @@ class Transformer(nn.Module):
         routing: RouterTrace | None = None,
     ) -> Tensor:
         """Final-norm hidden states ``[B, T, hidden]``; see :meth:`forward` for the arguments."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if cache is not None and slots is None:
-            slots = torch.arange(input_ids.shape[0], device=input_ids.device)
-        positions = self.positions(attention_mask, cache, slots)
-        cos, sin = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
-        ctx = ForwardContext(self.ops, positions, cos, sin, cache, slots, routing)
-        if routing is not None:
-            routing.recorded.clear()
-        x = self.model.embed_tokens(input_ids)
-        for block in self.model.layers:
-            x = block(x, ctx)
-        if cache is not None:
-            assert slots is not None
-            cache.lengths[slots] += attention_mask.to(torch.long).sum(dim=1)
-        return self.model.norm(x, ctx)
+        return self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)[0]
 
     def forward(
         self,
@@ -129,5 +140,7 @@ class Transformer(nn.Module):
         these cache rows (prefill or decode); the new tokens continue each row after its cached length.
         ``routing``: record the MoE expert ids, or replay given ones (R3).
         """
-        h = self.hidden_states(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
-        return self.ops.linear(h, self.output_weight)
+        h, ctx = self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
+        if self.lm_head is None:  # tied: the embedding matrix is the head
+            return self.ops.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h, ctx)

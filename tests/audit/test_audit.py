@@ -71,4 +71,4 @@ def test_a_non_invariant_op_under_a_bitwise_claim_fails_and_is_localised(
     report, code = run_audit(load_config([]))
     assert code == 1 and not report["contract"]["holds"]
     assert not report["pairs"]["engine_prefill~engine_decode"]["bits_match"]
-    assert report["localise"]["score~decode"]["op"] == "model.layers.0.self_attn:linear#0"
+    assert report["localise"]["score~decode"]["op"] == "model.layers.0.self_attn.q_proj:linear#0"
