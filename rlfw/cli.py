@@ -22,10 +22,13 @@ def _not_yet(verb: str, issue: str) -> int:
 
 
 def cmd_train(overrides: list[str]) -> int:
-    from rlfw.compose import load_config
+    import logging
 
-    load_config(overrides)  # validate before saying anything else
-    return _not_yet("train", "the main job lands with the Ray/DeepSpeed trainer")
+    from rlfw.compose import load_config
+    from rlfw.train import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return train(load_config(overrides))
 
 
 def cmd_audit(overrides: list[str]) -> int:
@@ -40,7 +43,19 @@ def cmd_audit(overrides: list[str]) -> int:
 
 
 def cmd_report(args: list[str]) -> int:
-    return _not_yet("report", "reports land with the main job's metrics")
+    from rlfw.logging.jsonl import MetricsFileError
+    from rlfw.logging.report import render_report
+
+    if len(args) != 1:
+        print("usage: rlfw report RUN_DIR", file=sys.stderr)
+        return 2
+    try:
+        index = render_report(args[0])
+    except MetricsFileError as err:
+        print(f"rlfw report: {err}", file=sys.stderr)
+        return 1
+    print(index)
+    return 0
 
 
 VERBS = {"train": cmd_train, "audit": cmd_audit, "report": cmd_report}

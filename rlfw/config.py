@@ -100,7 +100,7 @@ class TrainerConfig:
     """The DeepSpeed trainer."""
 
     num_ranks: int = 1  # data-parallel trainer ranks in the trainer pool
-    zero_stage: int = 0  # DeepSpeed ZeRO stage: 0 | 1 | 2 | 3
+    zero_stage: int = 1  # DeepSpeed ZeRO stage: 0 | 1 | 2 | 3 (stage 0 reports grad_norm on one rank only)
     precision: str = "fp32"  # training precision: fp32 | bf16
     lr: float = 1e-3  # peak learning rate
     lr_schedule: str = "constant"  # constant | cosine
@@ -109,6 +109,7 @@ class TrainerConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     micro_batch_size: int = 16  # sequences per micro-batch (gradient accumulation fills the batch)
     steps: int = 20  # optimizer steps in the run
+    checkpoint_every: int = 5  # save a resumable checkpoint every this many steps (and at the end)
 
     def __post_init__(self) -> None:
         check_choice("trainer.zero_stage", self.zero_stage, (0, 1, 2, 3))
@@ -179,6 +180,8 @@ class TaskConfig:
     name: str = "arithmetic"  # arithmetic (built-in, learnable on CPU) | gsm8k (local JSONL file)
     data_path: str | None = None  # dataset file for tasks that read one (gsm8k)
     max_operand: int = 20  # arithmetic: operands are drawn from [0, max_operand]
+    warm_start_steps: int = 0  # supervised steps on demonstrations before RL (cached); 0 skips
+    warm_start_lr: float = 3e-3  # learning rate of the warm start
 
     def __post_init__(self) -> None:
         check_choice("task.name", self.name, ("arithmetic", "gsm8k"))
@@ -190,10 +193,10 @@ class TaskConfig:
 class RunConfig:
     """A whole experiment: what ``rlfw train`` and ``rlfw audit`` read."""
 
-    kernels: str = (
-        "invariant"  # op set on the logprob path: invariant (batch-invariant) | default (plain torch)
-    )
+    kernels: str = "invariant"  # logprob-path ops: invariant (batch-invariant) | default (plain torch)
     seed: int = 0  # global seed
+    resume: bool = False  # continue the run folder logger.run_name from its last checkpoint
+    ray_address: str | None = None  # an existing Ray cluster to join; None starts a local Ray on loopback
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -6,7 +6,8 @@ Shapes use suffixes where it helps: ``_T`` per response token, ``_P`` per prompt
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -95,3 +96,53 @@ class WeightUpdate:
     version: int
     contract_hash: str
     state_dict: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class TrainBatch:
+    """Per-token training tensors for a set of samples; what the driver sends each trainer rank.
+
+    Layout: ``tokens [B, L]`` holds prompt then response, right-padded. The model's logits at position
+    ``t`` predict token ``t + 1``, so every per-token tensor is ``[B, L - 1]`` in *prediction* positions:
+    response token ``j`` of a sample with prompt length ``P`` sits at index ``P + j - 1``, and ``mask``
+    marks exactly those positions.
+    """
+
+    tokens: Tensor  # int64 [B, L]
+    attention_mask: Tensor  # int64 [B, L], 1 on prompt and response tokens
+    mask: Tensor  # bool [B, L-1], True where a response token is predicted
+    sampler_logp: Tensor  # fp32 [B, L-1]
+    decode_logp: Tensor  # fp32 [B, L-1]
+    prefill_logp: Tensor  # fp32 [B, L-1]
+    advantages: Tensor  # fp32 [B, L-1]
+    version: Tensor  # int64 [B, L-1] weight version each token was sampled with
+    topk_ids: Tensor  # int64 [B, L-1, K]
+    topk_logp: Tensor  # fp32 [B, L-1, K]
+    routed_experts: Tensor | None  # int64 [B, L, n_moe_layers, k] for R3, None for dense models
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum().item())
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, index: slice | Tensor) -> TrainBatch:
+        """A micro-batch: the same tensors restricted to some rows."""
+        values: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        sliced: dict[str, Any] = {k: None if v is None else v[index] for k, v in values.items()}
+        return TrainBatch(**sliced)
+
+
+@dataclass
+class TrainResult:
+    """What a trainer rank returns for its shard of a step.
+
+    ``trainer_logp`` and ``old_logp`` are ``[B_shard, L-1]`` in the shard's :class:`TrainBatch` layout:
+    the trainer's log-probs at its pre-update weights (q) and the PPO reference it used. The driver
+    concatenates shards to compute ratio metrics over the whole batch.
+    """
+
+    trainer_logp: Tensor
+    old_logp: Tensor
+    scalars: dict[str, float]

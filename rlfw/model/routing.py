@@ -24,15 +24,21 @@ class RouterTrace:
     recorded: list[Tensor] = field(default_factory=list)
     own: list[Tensor] = field(default_factory=list)  # under replay: the router's own top-k, per layer
 
-    def replay_mismatch_frac(self) -> float:
-        """Under replay: the fraction of (token, layer) whose own top-k set differs from the replayed one."""
+    def replay_mismatch_frac(self, mask: Tensor | None = None) -> float:
+        """Under replay: the fraction of (token, layer) whose own top-k set differs from the replayed one.
+
+        ``mask [B, T]`` restricts the count to real tokens (padding routes arbitrarily).
+        """
         import torch
 
         if not self.own:
             return 0.0
         own = torch.stack(self.own, dim=2).sort(-1).values
-        used = self.stacked().sort(-1).values
-        return float((own != used).any(-1).float().mean().item())
+        differs = (own != self.stacked().sort(-1).values).any(-1)  # [B, T, layers]
+        if mask is None:
+            return float(differs.float().mean().item())
+        keep = mask.bool()[..., None].expand_as(differs)
+        return float(differs[keep].float().mean().item()) if keep.any() else 0.0
 
     def replay_ids(self, moe_index: int) -> Tensor | None:
         return None if self.replay is None else self.replay[:, :, moe_index]

@@ -1,0 +1,1 @@
+"""Ray pools and actors, weight-sync transports and the sync/async schedulers."""

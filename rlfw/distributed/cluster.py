@@ -1,0 +1,83 @@
+"""Ray start-up and the two resource pools (placement groups): rollout and trainer.
+
+On a GPU cluster every bundle holds one GPU. On one CPU machine, custom resources stand in for GPUs:
+the local Ray node advertises ``rollout_gpu`` and ``trainer_gpu`` slots, so the same placement logic
+runs everywhere. (``launch/ray_cluster.sh`` makes cluster nodes advertise the same names.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+ROLLOUT, TRAINER = "rollout_gpu", "trainer_gpu"
+LOCAL_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # a local Ray binds 127.0.0.1, not the host's address
+    "OMP_NUM_THREADS": "1",
+    "DS_ACCELERATOR": "cpu",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def worker_env() -> dict[str, str]:
+    """Environment every actor gets: the local defaults, overridden by what the driver already set."""
+    keys = (*LOCAL_ENV, "TORCH_EXTENSIONS_DIR", "WANDB_MODE", "HF_HUB_OFFLINE", "RLFW_HOME", "PYTHONPATH")
+    return {k: os.environ.get(k, LOCAL_ENV.get(k, "")) for k in keys if k in os.environ or k in LOCAL_ENV}
+
+
+def init_ray(num_rollout: int, num_trainer: int, address: str | None = None) -> None:
+    """Connect to ``address`` (a cluster), or start a local Ray with emulated GPU pools on loopback."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    for k, v in LOCAL_ENV.items():
+        os.environ.setdefault(k, v)
+    runtime_env = {"env_vars": worker_env()}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    ray.init(
+        num_cpus=num_rollout + num_trainer + 1,
+        resources={ROLLOUT: num_rollout, TRAINER: num_trainer},
+        include_dashboard=False,
+        runtime_env=runtime_env,
+        log_to_driver=True,
+        _node_ip_address="127.0.0.1",
+    )
+
+
+@dataclass
+class Pool:
+    """A placement group of ``size`` one-accelerator bundles, and how to place an actor in bundle i."""
+
+    group: Any
+    size: int
+    uses_gpu: bool
+
+    def options(self, index: int) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+        return {"scheduling_strategy": strategy, "num_cpus": 1, "num_gpus": 1 if self.uses_gpu else 0}
+
+
+def make_pool(resource: str, size: int) -> Pool:
+    """Reserve ``size`` bundles of the pool ``resource`` (blocks until the cluster can place them)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    uses_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    bundle = {"CPU": 1, resource: 1} | ({"GPU": 1} if uses_gpu else {})
+    group = placement_group([dict(bundle) for _ in range(size)], strategy="PACK")
+    ray.get(group.ready(), timeout=120)
+    return Pool(group, size, uses_gpu)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

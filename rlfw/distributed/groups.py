@@ -1,0 +1,150 @@
+"""Driver-side handles on the two pools: shard work over actors, gather results, replace dead actors."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from rlfw.config import EngineConfig
+from rlfw.distributed.cluster import Pool, free_port
+from rlfw.distributed.rollout_worker import RolloutWorker
+from rlfw.distributed.specs import ModelSpec
+from rlfw.distributed.trainer_worker import TrainerWorker
+from rlfw.trainer.deepspeed_backend import OptimConfig
+from rlfw.trainer.step import StepSpec
+from rlfw.types import GenerationRequest, Sample, TrainBatch, TrainResult, WeightUpdate
+
+log = logging.getLogger(__name__)
+MAX_RETRIES = 3
+
+
+def split_request(request: GenerationRequest, parts: int) -> list[GenerationRequest]:
+    """Round-robin prompts over ``parts`` actors. Draws are seeded per (prompt, sample), so a prompt's
+    samples are the same whichever actor generates them."""
+    shards = []
+    for i in range(parts):
+        ids, prompts = request.prompt_ids[i::parts], request.prompts[i::parts]
+        if ids:
+            shards.append(GenerationRequest(ids, prompts, request.n, request.max_new_tokens, request.seed))
+    return shards
+
+
+class RolloutGroup:
+    """The engine actors. A dead actor is replaced, loaded with the last published version, and its
+    request re-issued: results count only from calls that completed, so no sample is lost or doubled."""
+
+    def __init__(
+        self, pool: Pool, spec: ModelSpec, engine_cfg: EngineConfig, stop_ids: list[int], contract_hash: str
+    ) -> None:
+        self.pool, self.args = pool, (spec, engine_cfg, stop_ids, contract_hash)
+        self.actors = [self._spawn(i) for i in range(pool.size)]
+        self.latest: Any = None  # ObjectRef of the last WeightUpdate, loaded into replacements
+        self.restarts = 0
+
+    def _spawn(self, index: int) -> Any:
+        return RolloutWorker.options(**self.pool.options(index)).remote(*self.args)  # type: ignore[attr-defined]
+
+    def _replace(self, index: int) -> None:
+        log.warning("rollout actor %d died; restarting it from the last published version", index)
+        self.actors[index] = self._spawn(index)
+        self.restarts += 1
+        if self.latest is not None:
+            ray.get(self.actors[index].update_weights.remote(self.latest))
+
+    def _call(self, index: int, method: str, *args: Any) -> Any:
+        for attempt in range(MAX_RETRIES + 1):
+            try:
+                return ray.get(getattr(self.actors[index], method).remote(*args))
+            except RayActorError:
+                if attempt == MAX_RETRIES:
+                    raise
+                self._replace(index)
+        raise AssertionError("unreachable")
+
+    def generate(self, request: GenerationRequest) -> list[Sample]:
+        shards = split_request(request, len(self.actors))
+        futures = [self.actors[i].generate.remote(s) for i, s in enumerate(shards)]
+        samples: list[Sample] = []
+        for i, (shard, future) in enumerate(zip(shards, futures, strict=True)):
+            try:
+                samples += ray.get(future)
+            except RayActorError:
+                self._replace(i)
+                samples += self._call(i, "generate", shard)
+        return sorted(samples, key=lambda s: (s.prompt_id, s.sample_index))
+
+    def load(self, update_ref: Any) -> None:
+        """Every engine loads the published version; returns once all have acknowledged it."""
+        self.latest = update_ref
+        for i in range(len(self.actors)):
+            self._call(i, "update_weights", update_ref)
+
+    def kill(self, index: int) -> None:
+        """Kill an actor (tests and fault drills); the next call replaces it."""
+        ray.kill(self.actors[index], no_restart=True)
+
+
+def shard_rows(n: int, parts: int) -> list[slice]:
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+class TrainerGroup:
+    """The data-parallel trainer ranks; each step's batch is split into contiguous row shards."""
+
+    def __init__(self, pool: Pool, spec: ModelSpec, optim: OptimConfig, step: StepSpec) -> None:
+        port = free_port()
+        self.actors = [
+            TrainerWorker.options(**pool.options(r)).remote(r, pool.size, port, spec, optim, step)  # type: ignore[attr-defined]
+            for r in range(pool.size)
+        ]
+
+    def train(self, batch: TrainBatch) -> TrainResult:
+        if len(batch) < len(self.actors):
+            raise ValueError(f"{len(batch)} samples cannot feed {len(self.actors)} trainer ranks")
+        shards = shard_rows(len(batch), len(self.actors))
+        futures = [
+            a.train.remote(batch.rows(s), batch.num_tokens, len(batch))
+            for a, s in zip(self.actors, shards, strict=True)
+        ]
+        results: list[TrainResult] = ray.get(futures)
+        return merge_results(results, [batch.rows(s).num_tokens for s in shards])
+
+    def publish(self, version: int, contract_hash: str) -> Any:
+        """Gather full weights (every rank takes part), put rank 0's copy in the object store once."""
+        states = ray.get([a.state_dict.remote() for a in self.actors])
+        return ray.put(WeightUpdate(version=version, contract_hash=contract_hash, state_dict=states[0]))
+
+    def save(self, folder: str, tag: str) -> None:
+        ray.get([a.save.remote(folder, tag) for a in self.actors])
+
+    def load(self, folder: str, tag: str) -> None:
+        ray.get([a.load.remote(folder, tag) for a in self.actors])
+
+    def shutdown(self) -> None:
+        ray.get([a.shutdown.remote() for a in self.actors])
+
+
+def merge_results(results: list[TrainResult], tokens: list[int]) -> TrainResult:
+    """Concatenate shards; losses add (each rank's is normalised by the global count), fractions are
+    token-weighted, the grad norm is global already (rank 0's)."""
+    total = max(sum(tokens), 1)
+    keys = {k for r in results for k in r.scalars}
+    scalars: dict[str, float] = {}
+    for k in keys:
+        values = [(r.scalars[k], n) for r, n in zip(results, tokens, strict=True) if k in r.scalars]
+        if k.startswith("loss/"):
+            scalars[k] = sum(v for v, _ in values)
+        elif k == "grad_norm":
+            scalars[k] = values[0][0]
+        else:
+            scalars[k] = sum(v * n for v, n in values) / total
+    return TrainResult(
+        trainer_logp=torch.cat([r.trainer_logp for r in results]),  # shards share the batch's width
+        old_logp=torch.cat([r.old_logp for r in results]),
+        scalars=scalars,
+    )

@@ -1,0 +1,36 @@
+"""The engine actor of the rollout pool: one :class:`~rlfw.rollout.engine.NativeEngine` per actor."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from rlfw.config import EngineConfig
+from rlfw.distributed.specs import ModelSpec
+from rlfw.rollout.engine import NativeEngine
+from rlfw.types import GenerationRequest, Sample, WeightUpdate
+
+
+@ray.remote
+class RolloutWorker:
+    """Generates samples at the weight version it holds; loads published versions on request."""
+
+    def __init__(
+        self, spec: ModelSpec, engine_cfg: EngineConfig, stop_ids: list[int], contract_hash: str
+    ) -> None:
+        self.engine = NativeEngine.from_config(spec.build(), engine_cfg, stop_ids, contract_hash)
+
+    def generate(self, request: GenerationRequest) -> list[Sample]:
+        return self.engine.generate(request)
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Load a published version (the engine checks its contract hash); returns the new version."""
+        self.engine.update_weights(update)
+        return self.engine.version
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,69 @@
+"""One step's metrics (design section 6) from what the step produced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlfw.algos import CorrectionConfig
+from rlfw.trainer.step import step_metrics
+from rlfw.types import Sample, TrainBatch, TrainResult
+
+
+@dataclass
+class StepTimes:
+    generate: float
+    reward: float
+    train: float
+    sync: float
+    total: float
+
+
+def reward_metrics(samples: list[Sample], failed: int) -> dict[str, float]:
+    rewards = torch.tensor([s.reward for s in samples if s.reward is not None], dtype=torch.float64)
+    return {
+        "reward/mean": float(rewards.mean()) if rewards.numel() else float("nan"),
+        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "reward/failed": float(failed),
+        "reward/samples": float(len(samples)),
+    }
+
+
+def sync_metrics(batch: TrainBatch, trainer_version: int, resyncs: int) -> dict[str, float]:
+    """Staleness of the trained tokens: the trainer's version minus each token's sampling version."""
+    gap = (trainer_version - batch.version)[batch.mask].float()
+    return {
+        "sync/resyncs": float(resyncs),
+        "sync/staleness_mean": float(gap.mean()) if gap.numel() else 0.0,
+        "sync/version_gap_max": float(gap.max()) if gap.numel() else 0.0,
+    }
+
+
+def step_report(
+    samples: list[Sample],
+    batch: TrainBatch,
+    result: TrainResult,
+    correction: CorrectionConfig,
+    trainer_version: int,
+    resyncs: int,
+    failed_rewards: int,
+    times: StepTimes,
+) -> dict[str, float | Tensor]:
+    tokens = sum(s.response_T.shape[0] for s in samples)
+    report: dict[str, float | Tensor] = {}
+    report |= step_metrics(batch, result.trainer_logp, result.old_logp, correction)
+    report |= result.scalars
+    report |= reward_metrics(samples, failed_rewards)
+    report |= sync_metrics(batch, trainer_version, resyncs)
+    report |= {
+        "throughput/tokens_per_s": tokens / max(times.generate, 1e-9),
+        "throughput/samples_per_s": len(samples) / max(times.generate, 1e-9),
+        "time/step": times.total,
+        "time/generate": times.generate,
+        "time/reward": times.reward,
+        "time/train": times.train,
+        "time/sync": times.sync,
+    }
+    return report

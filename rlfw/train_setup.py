@@ -1,0 +1,112 @@
+"""Everything a training run fixes before its first step: tokenizer, task, warm start, contract, specs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from rlfw.config import RunConfig
+from rlfw.contract import ExecutionContract, build_contract
+from rlfw.distributed.specs import ModelSpec
+from rlfw.kernels import get_ops
+from rlfw.rollout.sampling import Transforms
+from rlfw.tasks import Task, build_task
+from rlfw.tokenizer import build_tiny_tokenizer, check_vocab, load_tokenizer
+from rlfw.trainer.deepspeed_backend import OptimConfig
+from rlfw.trainer.step import StepSpec
+from rlfw.trainer.warm_start import WarmStart, cached_warm_start
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Setup:
+    model: ModelSpec
+    tokenizer: PreTrainedTokenizerBase
+    task: Task
+    transforms: Transforms
+    contract: ExecutionContract
+    stop_ids: list[int]
+
+
+def transforms_of(run: RunConfig) -> Transforms:
+    s = run.engine.sampler
+    return Transforms(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+
+
+def tokenizer_of(run: RunConfig, vocab_size: int) -> PreTrainedTokenizerBase:
+    if run.model.tokenizer == "tiny" or run.model.path is None:
+        tok = build_tiny_tokenizer()
+        check_vocab(tok, vocab_size)
+        return tok
+    return load_tokenizer(run.model.path, vocab_size)
+
+
+def prepare(run: RunConfig, run_dir: Path) -> Setup:
+    spec = ModelSpec(run.model.path, run.model.preset, run.model.dtype, run.kernels, run.model.seed)
+    model = spec.build()  # also validates the checkpoint before any actor starts
+    tok = tokenizer_of(run, model.args.vocab_size)
+    task = build_task(run.task.name, run.task.data_path, run.task.max_operand)
+    if run.task.warm_start_steps > 0:
+        ws = WarmStart(
+            str(run.model.path or run.model.preset),
+            task.name,
+            run.task.warm_start_steps,
+            run.task.warm_start_lr,
+            32,
+            run.seed,
+        )
+        folder = cached_warm_start(Path(run.logger.run_root) / ".cache", model, tok, task, ws)
+        log.info("warm start: %d supervised steps, checkpoint %s", ws.steps, folder)
+        spec = ModelSpec(str(folder), None, run.model.dtype, run.kernels, run.model.seed)
+    t = transforms_of(run)
+    keep_kv = run.engine.in_flight and run.engine.kv_policy == "keep"
+    contract = build_contract(
+        get_ops(run.kernels), run.model.dtype, run.engine.sampler.precision, asdict(t), keep_kv
+    )
+    (run_dir / "contract.json").write_text(json.dumps(contract.to_dict(), indent=2))
+    stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    return Setup(spec, tok, task, t, contract, stop_ids)
+
+
+def optim_config(run: RunConfig) -> OptimConfig:
+    tr = run.trainer
+    return OptimConfig(
+        tr.lr,
+        tr.weight_decay,
+        tr.grad_clip,
+        tr.warmup_steps,
+        tr.lr_schedule,
+        tr.steps,
+        tr.zero_stage,
+        tr.precision,
+    )
+
+
+def prefill_is_old_policy(run: RunConfig, contract: ExecutionContract) -> bool:
+    """The engine's prefill stream equals the trainer's own scoring forward bit for bit when the contract
+    claims it and the prefill ran at the weights the trainer holds (synchronous mode)."""
+    return run.sync.mode == "sync" and contract.claims_bitwise("trainer_score", "engine_prefill")
+
+
+def step_spec(run: RunConfig, setup: Setup) -> StepSpec:
+    reuse = prefill_is_old_policy(run, setup.contract)
+    if reuse:
+        log.info(
+            "execution contract %s holds (trainer scoring == engine prefill, bitwise): the prefill stream "
+            "is the old-policy log-prob; the trainer's extra scoring forward is skipped",
+            setup.contract.hash,
+        )
+    else:
+        log.info(
+            "execution contract %s does not claim trainer~prefill bit equality: the trainer runs its own "
+            "scoring forward for the old-policy log-prob",
+            setup.contract.hash,
+        )
+    return StepSpec(
+        setup.transforms, run.correction, run.trainer.micro_batch_size, reuse, run.model.router_replay
+    )

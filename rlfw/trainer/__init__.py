@@ -1,0 +1,1 @@
+"""The DeepSpeed trainer: scoring forward, loss, optimizer step, weight publishing."""

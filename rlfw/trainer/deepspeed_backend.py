@@ -1,0 +1,127 @@
+"""The optimizer side of the trainer on DeepSpeed (ZeRO 0-3; on CPU over gloo).
+
+Gradient accumulation is ours, not DeepSpeed's: the trainer's loss is already normalised by the step's
+global token count, so DeepSpeed runs with ``managed_gradient_accumulation: false`` (every ``step()`` is
+the boundary) and ``backward(..., scale_wrt_gas=False)``. DeepSpeed *averages* gradients over data-
+parallel ranks; a globally normalised loss needs their *sum*, so the loss is multiplied by the world size
+before backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlfw.model import Transformer
+
+
+@dataclass
+class OptimConfig:
+    """The few optimizer settings the backend needs (mirrors ``trainer.*`` in the config)."""
+
+    lr: float
+    weight_decay: float
+    grad_clip: float
+    warmup_steps: int
+    lr_schedule: str  # constant | cosine
+    total_steps: int
+    zero_stage: int
+    precision: str  # fp32 | bf16
+
+
+def lr_lambda(cfg: OptimConfig) -> Any:
+    """Linear warm-up, then constant or cosine decay to 10% of the peak."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        span = max(cfg.total_steps - cfg.warmup_steps, 1)
+        progress = min((step - cfg.warmup_steps) / span, 1.0)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def ds_config(cfg: OptimConfig) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+class DeepSpeedBackend:
+    """``module`` (the DeepSpeed engine), ``backward(loss)``, ``step() -> grad norm``."""
+
+    def __init__(self, model: Transformer, cfg: OptimConfig) -> None:
+        import deepspeed
+        import torch.distributed as dist
+
+        if model.lm_head is None and cfg.zero_stage == 3:
+            # Tied head: the embedding matrix is used outside the embedding module's own forward.
+            deepspeed.zero.register_external_parameter(model, model.model.embed_tokens.weight)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(cfg)
+        )
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.model = model
+        self.zero_stage = cfg.zero_stage
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine
+
+    def backward(self, loss: Tensor) -> None:
+        self.engine.backward(loss * self.world, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        """Clip, update, schedule; the global grad norm before clipping.
+
+        DeepSpeed reports the norm from ZeRO stage 1 up; at stage 0 it does not, so the norm is taken from
+        the gradients before the step, which is the global norm only on a single rank (NaN otherwise).
+        """
+        local = self._local_norm() if self.zero_stage == 0 else None
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return local if (local is not None and self.world == 1) else float("nan")
+        return float(norm)
+
+    def _local_norm(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return (
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            if grads
+            else 0.0
+        )
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Every parameter, gathered (ZeRO-3 partitions them), on CPU, under the HF names."""
+        import deepspeed
+
+        params = dict(self.model.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+            return {k: v.detach().clone().cpu() for k, v in params.items()}
+
+    def save(self, folder: str, tag: str) -> None:
+        self.engine.save_checkpoint(folder, tag=tag)
+
+    def load(self, folder: str, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(folder, tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"no trainer checkpoint {tag!r} under {folder}")

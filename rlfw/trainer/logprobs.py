@@ -1,0 +1,57 @@
+"""The trainer's log-probs of the sampled tokens and of the sampler's top-k, transforms replayed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from rlfw.model import RouterTrace, Transformer
+from rlfw.rollout.sampling import Transforms, process_logits
+from rlfw.trainer.batch import micro_batches
+from rlfw.types import TrainBatch
+
+
+@dataclass
+class TrainerLogp:
+    """``logp [B, L-1]`` of each predicted token; ``topk_logp [B, L-1, K]`` at the sampler's top-k ids
+    (``None`` when not asked for); ``replay_mismatch`` for MoE under R3 (``None`` otherwise)."""
+
+    logp: Tensor
+    topk_logp: Tensor | None
+    replay_mismatch: float | None
+
+
+def trainer_logp(
+    model: nn.Module, ops_model: Transformer, batch: TrainBatch, t: Transforms, *, replay: bool, topk: bool
+) -> TrainerLogp:
+    """Run ``model`` (the trainer's module, possibly wrapped by DeepSpeed) over ``batch``.
+
+    Gradient flows when grad mode is on (the grad forward) and not otherwise (the scoring forward); both
+    run the same ops, so they agree bit for bit. ``ops_model`` is the unwrapped shared model, for its op
+    set. Under R3 (``replay``) the MoE layers use the rollout's expert ids.
+    """
+    routing = None
+    if batch.routed_experts is not None:
+        routing = RouterTrace(replay=batch.routed_experts if replay else None)
+    logits = model(batch.tokens, batch.attention_mask, routing=routing)[:, :-1]
+    logp_all = ops_model.ops.log_softmax(process_logits(logits, t))
+    logp = logp_all.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    topk_logp = logp_all.gather(-1, batch.topk_ids) if topk else None
+    mismatch = (
+        routing.replay_mismatch_frac(batch.attention_mask) if (routing is not None and replay) else None
+    )
+    return TrainerLogp(logp, topk_logp, mismatch)
+
+
+def scoring_logp(
+    model: nn.Module, ops_model: Transformer, batch: TrainBatch, t: Transforms, micro: int
+) -> Tensor:
+    """The no-grad scoring forward over the whole batch, in micro-batches: ``[B, L-1]``."""
+    with torch.no_grad():
+        parts = [
+            trainer_logp(model, ops_model, mb, t, replay=True, topk=False).logp
+            for mb in micro_batches(batch, micro)
+        ]
+    return torch.cat(parts)

@@ -1,0 +1,125 @@
+"""One optimizer step on a rollout batch: grad forwards over micro-batches, the corrected loss, one update.
+
+The loss of every micro-batch is normalised by the step's *global* token count (passed in), so gradient
+accumulation over micro-batches and ranks equals one big batch. The PPO reference (the old-policy
+log-prob) is the engine's prefill stream when the execution contract holds (then it equals the trainer's
+own scoring forward bit for bit and the extra forward is skipped); otherwise the trainer runs that
+scoring forward itself.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from rlfw.algos import CorrectionConfig, LossInputs, policy_loss, ratio_report
+from rlfw.algos.batch import prepare
+from rlfw.model import Transformer
+from rlfw.rollout.sampling import Transforms
+from rlfw.trainer.batch import micro_batches
+from rlfw.trainer.logprobs import scoring_logp, trainer_logp
+from rlfw.types import TrainBatch, TrainResult
+
+
+class Backend(Protocol):
+    """What the step needs from the optimizer side (DeepSpeed, or plain torch in tests)."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The callable forward (a DeepSpeed engine wraps the model)."""
+        ...
+
+    def backward(self, loss: Tensor) -> None: ...
+
+    def step(self) -> float:
+        """Apply the accumulated gradients (clipping, LR schedule); return the global grad norm."""
+        ...
+
+
+@dataclass
+class StepSpec:
+    """The few settings one step needs."""
+
+    transforms: Transforms
+    correction: CorrectionConfig
+    micro_batch_size: int
+    prefill_as_old: bool  # the contract holds: take the prefill stream as the old-policy log-prob
+    router_replay: bool
+
+
+def old_policy_logp(backend: Backend, model: Transformer, batch: TrainBatch, spec: StepSpec) -> Tensor:
+    if spec.prefill_as_old:
+        return batch.prefill_logp
+    return scoring_logp(backend.module, model, batch, spec.transforms, spec.micro_batch_size)
+
+
+def train_step(
+    backend: Backend,
+    model: Transformer,
+    batch: TrainBatch,
+    spec: StepSpec,
+    num_tokens: int,
+    num_sequences: int,
+) -> TrainResult:
+    """Accumulate gradients over micro-batches and step once.
+
+    ``num_tokens`` / ``num_sequences``: the step's global counts over every rank (the loss normaliser).
+    Returns the trainer's log-probs at its pre-update weights and the PPO reference it used (so the
+    caller can compute ratio metrics over the whole batch, across ranks), and scalar metrics: the loss,
+    the correction's clip and mask fractions (token-weighted over micro-batches), the grad norm and the
+    R3 mismatch.
+    """
+    old = old_policy_logp(backend, model, batch, spec)
+    topk = spec.correction.name in ("centering", "dlc")
+    q_parts: list[Tensor] = []
+    mismatch: list[float] = []
+    sums: dict[str, float] = defaultdict(float)
+    for i, mb in enumerate(micro_batches(batch, spec.micro_batch_size)):
+        rows = slice(i * spec.micro_batch_size, i * spec.micro_batch_size + len(mb))
+        out = trainer_logp(backend.module, model, mb, spec.transforms, replay=spec.router_replay, topk=topk)
+        inputs = _loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences)
+        loss, metrics = policy_loss(inputs, spec.correction)
+        backend.backward(loss)
+        q_parts.append(out.logp.detach())
+        for k, v in metrics.items():
+            if v.dim() == 0 and (k.startswith("loss/") or k.endswith(("clip_frac", "mask_frac"))):
+                sums[k] += float(v) * (1.0 if k.startswith("loss/") else mb.num_tokens)
+        if out.replay_mismatch is not None:
+            mismatch.append(out.replay_mismatch)
+    scalars = {k: v if k.startswith("loss/") else v / max(batch.num_tokens, 1) for k, v in sums.items()}
+    scalars["grad_norm"] = backend.step()
+    if mismatch:
+        scalars["router/replay_mismatch_frac"] = sum(mismatch) / len(mismatch)
+    return TrainResult(trainer_logp=torch.cat(q_parts), old_logp=old, scalars=scalars)
+
+
+def step_metrics(
+    batch: TrainBatch, q: Tensor, old: Tensor, correction: CorrectionConfig
+) -> dict[str, float | Tensor]:
+    """Ratio metrics over a whole batch: every factor, the lag ratio, ESS (design section 6)."""
+    inputs = _loss_inputs(batch, q, None, old, max(batch.num_tokens, 1), max(len(batch), 1))
+    metrics = ratio_report(prepare(inputs), correction)
+    return {k: (v if v.dim() else float(v)) for k, v in metrics.items()}
+
+
+def _loss_inputs(
+    mb: TrainBatch, q: Tensor, q_topk: Tensor | None, old: Tensor, num_tokens: int, num_sequences: int
+) -> LossInputs:
+    return LossInputs(
+        trainer_logp=q,
+        sampler_logp=mb.sampler_logp,
+        decode_logp=mb.decode_logp,
+        prefill_logp=mb.prefill_logp,
+        advantages=mb.advantages,
+        mask=mb.mask,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+        old_logp=old,
+        sampler_topk_ids=mb.topk_ids if q_topk is not None else None,
+        sampler_topk_logp=mb.topk_logp if q_topk is not None else None,
+        trainer_topk_logp=q_topk,
+    )
