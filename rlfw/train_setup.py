@@ -54,7 +54,7 @@ def prepare(run: RunConfig, run_dir: Path) -> Setup:
     if run.task.warm_start_steps > 0:
         ws = WarmStart(
             str(run.model.path or run.model.preset),
-            task.name,
+            f"{task.name}(max_operand={run.task.max_operand}, data_path={run.task.data_path})",
             run.task.warm_start_steps,
             run.task.warm_start_lr,
             32,

@@ -65,7 +65,7 @@ class WarmStart:
     """Everything that determines a warm-started checkpoint (its cache key)."""
 
     model: str  # the preset or checkpoint it starts from
-    task: str
+    task: str  # the task and its settings (e.g. "arithmetic(max_operand=9)")
     steps: int
     lr: float
     batch: int

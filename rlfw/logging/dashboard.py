@@ -1,0 +1,138 @@
+"""The shipped dashboard: one panel group per ratio, one for ESS and weight sync, one for the run.
+
+The layout is plain data (`SECTIONS`), read by both `rlfw report` (matplotlib, offline) and
+`create_workspace` (a W&B workspace, online), so the local report and the W&B page always group the
+same keys the same way. Every key named here comes from `rlfw.logging.metrics`; a test holds that.
+
+Create the W&B workspace (needs `pip install wandb-workspaces` and `wandb login`):
+
+    python -m rlfw.logging.dashboard ENTITY PROJECT
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from rlfw.logging import metrics as m
+
+RATIO_MEANING = {
+    "trainer": "trainer vs engine prefill",
+    "decode": "engine prefill vs decode path",
+    "sampler": "decode path vs what the sampler recorded",
+    "total": "trainer vs sampler, the whole ratio",
+    "lag": "trainer weights vs the weights that sampled",
+}
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One chart: a line per key over steps (`line`), or the distribution of one `*/hist` key (`hist`)."""
+
+    title: str
+    keys: tuple[str, ...]
+    kind: str = "line"
+
+
+@dataclass(frozen=True)
+class Section:
+    """A panel group; `slug` names its PNG in the report."""
+
+    title: str
+    slug: str
+    panels: tuple[Panel, ...]
+
+
+def ratio_section(ratio: str) -> Section:
+    """The panel group of one ratio: mean, worst |log r|, k3 KL, histogram, clip and mask fractions."""
+    key = {stat: m.ratio_key(ratio, stat) for stat in m.RATIO_STATS + m.CORRECTION_STATS}
+    return Section(
+        title=f"ratio/{ratio}: {RATIO_MEANING[ratio]}",
+        slug=f"ratio_{ratio}",
+        panels=(
+            Panel("mean ratio", (key["mean"],)),
+            Panel("max |log r|", (key["max_abs_log"],)),
+            Panel("k3 KL", (key["k3_kl"],)),
+            Panel("log-ratio histogram", (key["hist"],), kind="hist"),
+            Panel("clip / mask fraction", (key["clip_frac"], key["mask_frac"])),
+        ),
+    )
+
+
+SYNC_SECTION = Section(
+    title="ESS and weight sync",
+    slug="ess_sync",
+    panels=(
+        Panel("ESS / N", (m.ESS_LAG, m.ESS_TOTAL)),
+        Panel("resyncs", (m.SYNC_RESYNCS,)),
+        Panel("staleness (mean versions)", (m.SYNC_STALENESS_MEAN,)),
+        Panel("max version gap", (m.SYNC_VERSION_GAP_MAX,)),
+        Panel("router replay mismatch (MoE)", (m.ROUTER_REPLAY_MISMATCH_FRAC,)),
+    ),
+)
+
+RUN_SECTION = Section(
+    title="reward, loss and throughput",
+    slug="run",
+    panels=(
+        Panel("reward", (m.REWARD_MEAN, m.REWARD_STD)),
+        Panel("loss", (m.LOSS_POLICY, m.LOSS_VALUE)),
+        Panel("grad norm", (m.GRAD_NORM,)),
+        Panel("tokens / s", (m.THROUGHPUT_TOKENS_PER_S,)),
+        Panel("samples / s", (m.THROUGHPUT_SAMPLES_PER_S,)),
+        Panel("seconds", (m.TIME_STEP, m.TIME_GENERATE, m.TIME_TRAIN, m.TIME_SYNC)),
+    ),
+)
+
+SECTIONS: tuple[Section, ...] = (*(ratio_section(r) for r in m.RATIOS), SYNC_SECTION, RUN_SECTION)
+
+WORKSPACES_MISSING = (
+    "creating the W&B workspace needs the wandb-workspaces package: pip install wandb-workspaces"
+)
+
+
+def build_workspace(entity: str, project: str, name: str) -> Any:
+    """The `wandb_workspaces` Workspace of `SECTIONS` (not saved).
+
+    wandb-workspaces has no histogram panel type; a `hist` panel becomes a line plot of the key,
+    the panel W&B offers for a histogram-valued key.
+    """
+    try:
+        import wandb_workspaces.reports.v2 as wr
+        import wandb_workspaces.workspaces as ws
+    except ImportError as err:
+        raise RuntimeError(WORKSPACES_MISSING) from err
+    sections = [
+        ws.Section(
+            name=section.title,
+            panels=[wr.LinePlot(title=p.title, x="Step", y=list(p.keys)) for p in section.panels],
+            is_open=True,
+        )
+        for section in SECTIONS
+    ]
+    return ws.Workspace(name=name, entity=entity, project=project, sections=sections)
+
+
+def create_workspace(entity: str, project: str, name: str = "rlfw: training-inference mismatch") -> str:
+    """Save the workspace to W&B (online, logged in) and return its URL."""
+    workspace = build_workspace(entity, project, name)
+    workspace.save()
+    return str(workspace.url)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m rlfw.logging.dashboard ENTITY PROJECT", file=sys.stderr)
+        return 2
+    try:
+        print(create_workspace(args[0], args[1]))
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

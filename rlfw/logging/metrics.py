@@ -1,0 +1,94 @@
+"""The metric keys of a training step (design §6): one source of truth for the logger, the W&B
+workspace, the report and the tests of the main job.
+
+A step logs, for each factor of the importance ratio and for the policy-lag ratio, the mean of the
+ratio, the worst token's |log r|, the k3 KL estimate and a histogram of log ratios; a correction that
+acts on a ratio adds its clip or mask fraction. ESS, weight-sync state, reward, loss, gradient norm,
+throughput and timings complete the step. `required_keys` is what every step must carry;
+`known_keys` adds what a step may carry, so dashboards and reports can only name keys defined here.
+"""
+
+from __future__ import annotations
+
+FACTORS: tuple[str, ...] = ("trainer", "decode", "sampler", "total")
+"""The factors of log rho = log q - log mu (design §2), in the order the report shows them."""
+
+LAG = "lag"
+"""The policy-lag ratio: the trainer's weights against the weights that sampled each token."""
+
+RATIOS: tuple[str, ...] = (*FACTORS, LAG)
+"""Every ratio that gets its own panel group."""
+
+RATIO_STATS: tuple[str, ...] = ("mean", "max_abs_log", "k3_kl", "hist")
+"""Statistics logged for every ratio on every step (`rlfw.algos.ratios.ratio_metrics`)."""
+
+CORRECTION_STATS: tuple[str, ...] = ("clip_frac", "mask_frac")
+"""Statistics logged for a ratio only when a correction clips or masks it."""
+
+HIST_SUFFIX = "/hist"
+"""Keys ending in this carry a histogram of log ratios rather than a scalar."""
+
+ESS_LAG = "ess/lag"
+ESS_TOTAL = "ess/total"
+SYNC_RESYNCS = "sync/resyncs"
+SYNC_STALENESS_MEAN = "sync/staleness_mean"
+SYNC_VERSION_GAP_MAX = "sync/version_gap_max"
+ROUTER_REPLAY_MISMATCH_FRAC = "router/replay_mismatch_frac"
+
+REWARD_MEAN = "reward/mean"
+REWARD_STD = "reward/std"
+LOSS_POLICY = "loss/policy"
+LOSS_VALUE = "loss/value"
+LOSS_NONFINITE_TOKENS = "loss/nonfinite_tokens"
+GRAD_NORM = "grad_norm"
+THROUGHPUT_TOKENS_PER_S = "throughput/tokens_per_s"
+THROUGHPUT_SAMPLES_PER_S = "throughput/samples_per_s"
+TIME_STEP = "time/step"
+TIME_GENERATE = "time/generate"
+TIME_TRAIN = "time/train"
+TIME_SYNC = "time/sync"
+
+SYNC_KEYS: tuple[str, ...] = (SYNC_RESYNCS, SYNC_STALENESS_MEAN, SYNC_VERSION_GAP_MAX)
+REQUIRED_RUN_KEYS: tuple[str, ...] = (REWARD_MEAN, LOSS_POLICY, GRAD_NORM, THROUGHPUT_TOKENS_PER_S, TIME_STEP)
+"""The one key of each usual family (`reward/*`, `loss/*`, ...) that every step must carry."""
+
+OPTIONAL_RUN_KEYS: tuple[str, ...] = (
+    REWARD_STD,
+    LOSS_VALUE,
+    LOSS_NONFINITE_TOKENS,
+    THROUGHPUT_SAMPLES_PER_S,
+    TIME_GENERATE,
+    TIME_TRAIN,
+    TIME_SYNC,
+)
+
+
+def ratio_key(ratio: str, stat: str) -> str:
+    """`ratio/{ratio}/{stat}`, refusing names outside `RATIOS` and the ratio statistics."""
+    if ratio not in RATIOS:
+        raise ValueError(f"unknown ratio {ratio!r}; allowed: {', '.join(RATIOS)}")
+    if stat not in RATIO_STATS + CORRECTION_STATS:
+        raise ValueError(
+            f"unknown ratio statistic {stat!r}; allowed: {', '.join(RATIO_STATS + CORRECTION_STATS)}"
+        )
+    return f"ratio/{ratio}/{stat}"
+
+
+def is_hist_key(key: str) -> bool:
+    """Whether `key` carries a histogram (the `ratio/*/hist` keys)."""
+    return key.endswith(HIST_SUFFIX)
+
+
+def required_keys(moe: bool) -> list[str]:
+    """Every key a training step must carry; MoE runs add the router-replay mismatch fraction."""
+    keys = [ratio_key(r, s) for r in RATIOS for s in RATIO_STATS]
+    keys += [ESS_LAG, ESS_TOTAL, *SYNC_KEYS, *REQUIRED_RUN_KEYS]
+    if moe:
+        keys.append(ROUTER_REPLAY_MISMATCH_FRAC)
+    return keys
+
+
+def known_keys() -> list[str]:
+    """Every key this module defines: the required keys of an MoE run plus the optional ones."""
+    optional = [ratio_key(r, s) for r in RATIOS for s in CORRECTION_STATS]
+    return required_keys(moe=True) + optional + list(OPTIONAL_RUN_KEYS)
