@@ -3,10 +3,10 @@
 Ops spelt with differentiable torch ops whose forward already *is* the inference op (RMSNorm, RoPE,
 SiLU, log-softmax, router gates) need no wrapper. The two that do:
 
-* :class:`InvariantLinear`: the blocked forward would make autograd save padded copies; its backward is
+* :class:`InvariantLinear`: the padded forward would make autograd save padded copies; its backward is
   the two textbook matmuls ``dx = g @ W`` and ``dW = g.T @ x`` (fixed shapes, deterministic on CPU).
-* :func:`recompute_backward`: for attention, whose tiled forward selects between states with
-  ``torch.where`` (gradients through the unselected branch would be NaN). The backward recomputes the
+* :func:`recompute_backward`: for attention, whose tiled forward works in place on reused buffers and
+  masks with finite stand-ins for ``-inf`` (not differentiable as written). The backward recomputes the
   reference math (:func:`~rlfw.kernels.attention.attention_reference`) under autograd, like activation
   checkpointing, and differentiates that.
 """
@@ -36,10 +36,16 @@ class InvariantLinear(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.matmul(g.to(weight.dtype), weight).reshape(x.shape).to(x.dtype)
+            dx = torch.matmul(_as(g, weight.dtype), weight).reshape(x.shape)
+            dx = _as(dx, x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = torch.matmul(g.t().to(x.dtype), x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            dw = _as(torch.matmul(_as(g.t(), x.dtype), x.reshape(-1, x.shape[-1])), weight.dtype)
         return dx, dw, None
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)`` without a dispatch when it is already ``dtype``."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class _Recompute(torch.autograd.Function):

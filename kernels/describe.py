@@ -40,6 +40,7 @@ def describe_invariant(backend: str) -> dict[str, Any]:
             "impl": "triton_tiled_online_softmax" if triton_like else "torch_tiled_online_softmax",
             "kv_tile": attention.KV_TILE,
             "q_row_block": tc.ATTN_BLOCK_R if triton_like else matmul.ROW_BLOCK,
+            "score_gemm_tiles": 1 if triton_like else attention.TILE_GROUP,
             "tile_alignment": "position_0",
             "tile_order": "ascending",
             "accumulate": "fp32",

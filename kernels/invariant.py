@@ -61,6 +61,8 @@ class InvariantOps:
             self._token_logp = softmax.token_logp
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return self._linear(x, weight)  # the forward of InvariantLinear, without its bookkeeping
         out: Tensor = InvariantLinear.apply(x, weight, self._linear)
         return out
 

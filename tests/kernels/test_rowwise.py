@@ -131,3 +131,12 @@ def test_backward_matches_default_and_is_deterministic(inv: InvariantOps) -> Non
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
     for g, again in zip(got, _grads(inv, x, w, ids), strict=True):
         assert_same_bits(g, again)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_grad_mode_equals_no_grad(inv: InvariantOps, dtype: torch.dtype) -> None:
+    # Without autograd silu_mul runs the same IEEE ops in place; the bits must not depend on the mode.
+    gate, up = (torch.randn(33, 100) * 8).to(dtype), torch.randn(33, 100).to(dtype)
+    with torch.no_grad():
+        scoring = inv.silu_mul(gate, up)
+    assert_same_bits(inv.silu_mul(gate.clone().requires_grad_(), up), scoring)
