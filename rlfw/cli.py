@@ -71,6 +71,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"rlfw {ns.verb}: config error: {err}", file=sys.stderr)
         return 2
+    except input_errors() as err:
+        print(f"rlfw {ns.verb}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+
+
+def input_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean bad input (a checkpoint, dataset, run folder or unsupported setting), reported in
+    one line rather than as a traceback."""
+    from rlfw.model import CheckpointError, ModelConfigError
+    from rlfw.tasks.gsm8k import DatasetError
+    from rlfw.tokenizer import TokenizerError
+
+    return (
+        CheckpointError,
+        ModelConfigError,
+        TokenizerError,
+        DatasetError,
+        FileExistsError,
+        FileNotFoundError,
+        NotImplementedError,
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool
 from rlfw.distributed.groups import RolloutGroup, TrainerGroup
 from rlfw.distributed.weight_sync import make_sync
 from rlfw.logging.logger import RunLogger
+from rlfw.logging.progress import progress
 from rlfw.run_state import RunState, make_run_dir, read_state, write_state
 from rlfw.tasks.base import Problem
 from rlfw.tasks.rewards import score
@@ -70,7 +71,7 @@ def train(run: RunConfig) -> int:
     )
     code = 0
     try:
-        for step in range(state.step + 1, run.trainer.steps):
+        for step in progress(range(state.step + 1, run.trainer.steps), desc="rl steps"):
             t0 = time.perf_counter()
             problems = setup.task.sample(run.algo.prompts_per_step, random.Random(f"{run.seed}:{step}"))
             samples = rollout.generate(request_for(problems, setup, run, step))  # generate with version v

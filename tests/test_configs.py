@@ -57,7 +57,7 @@ def test_corrections_toggle_from_the_command_line() -> None:
     ("overrides", "message"),
     [
         (["model.foo=1"], r"unknown config key 'model\.foo'; keys allowed here: path, preset"),
-        (["bogus=1"], r"unknown config key 'bogus'; keys allowed here: kernels, seed, model"),
+        (["bogus=1"], r"unknown config key 'bogus'; keys allowed here: kernels, seed, resume"),
         (["correction=bogus"], r"correction='bogus' is not a config option; choose one of: centering, dlc"),
         (["sync.policy=sometimes"], r"sync\.policy='sometimes' is not allowed; choose one of: every_step"),
         (["kernels=fast"], r"kernels='fast' is not allowed; choose one of: invariant, default"),

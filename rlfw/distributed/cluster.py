@@ -22,24 +22,31 @@ LOCAL_ENV = {
 }
 
 
-def worker_env() -> dict[str, str]:
-    """Environment every actor gets: the local defaults, overridden by what the driver already set."""
-    keys = (*LOCAL_ENV, "TORCH_EXTENSIONS_DIR", "WANDB_MODE", "HF_HUB_OFFLINE", "RLFW_HOME", "PYTHONPATH")
-    return {k: os.environ.get(k, LOCAL_ENV.get(k, "")) for k in keys if k in os.environ or k in LOCAL_ENV}
+PASSED_ON = ("TORCH_EXTENSIONS_DIR", "WANDB_MODE", "HF_HUB_OFFLINE", "RLFW_HOME", "PYTHONPATH")
+
+
+def worker_env(local: bool) -> dict[str, str]:
+    """Environment every actor gets: what the driver set (and, on a local run, the CPU defaults)."""
+    keys = (*LOCAL_ENV, *PASSED_ON) if local else PASSED_ON
+    return {k: os.environ[k] for k in keys if k in os.environ}
 
 
 def init_ray(num_rollout: int, num_trainer: int, address: str | None = None) -> None:
-    """Connect to ``address`` (a cluster), or start a local Ray with emulated GPU pools on loopback."""
+    """Connect to ``address`` (a cluster), or start a local Ray with emulated GPU pools on loopback.
+
+    The CPU defaults (``DS_ACCELERATOR=cpu``, one thread, loopback) apply to local runs only; on a
+    cluster the nodes' own environment decides.
+    """
     import ray
 
     if ray.is_initialized():
         return
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": worker_env(local=False)}, log_to_driver=True)
+        return
     for k, v in LOCAL_ENV.items():
         os.environ.setdefault(k, v)
-    runtime_env = {"env_vars": worker_env()}
-    if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        return
+    runtime_env = {"env_vars": worker_env(local=True)}
     ray.init(
         num_cpus=num_rollout + num_trainer + 1,
         resources={ROLLOUT: num_rollout, TRAINER: num_trainer},

@@ -8,6 +8,7 @@ import ray
 
 from rlfw.config import EngineConfig
 from rlfw.distributed.specs import ModelSpec
+from rlfw.distributed.weight_group import TensorMeta, WeightGroup
 from rlfw.rollout.engine import NativeEngine
 from rlfw.types import GenerationRequest, Sample, WeightUpdate
 
@@ -28,6 +29,16 @@ class RolloutWorker:
         """Load a published version (the engine checks its contract hash); returns the new version."""
         self.engine.update_weights(update)
         return self.engine.version
+
+    def join_weight_group(self, host: str, port: int, rank: int, world: int) -> None:
+        self.weights = WeightGroup(host, port, rank, world)
+
+    def receive_weights(self, metas: list[TensorMeta], version: int, contract_hash: str) -> int:
+        """Receive a broadcast version and load it like any update (the contract hash is checked)."""
+        state = self.weights.receive(metas)
+        return self.update_weights(
+            WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state)
+        )
 
     def version(self) -> int:
         return self.engine.version

@@ -8,6 +8,7 @@ import ray
 import torch
 
 from rlfw.distributed.specs import ModelSpec
+from rlfw.distributed.weight_group import TensorMeta, WeightGroup, describe
 from rlfw.trainer.deepspeed_backend import DeepSpeedBackend, OptimConfig
 from rlfw.trainer.step import StepSpec, train_step
 from rlfw.types import TrainBatch, TrainResult
@@ -42,6 +43,26 @@ class TrainerWorker:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights (gathered under ZeRO-3); every rank must call it, rank 0's copy is used."""
         return self.backend.full_state_dict()
+
+    def node_address(self) -> tuple[str, int]:
+        """This node's address and a free port on it, for the weight-broadcast group (rank 0 hosts it)."""
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+    def join_weight_group(self, host: str, port: int, world: int) -> list[TensorMeta]:
+        """Rank 0 joins the broadcast group as its rank 0; returns what it will send, in order."""
+        self.weights = WeightGroup(host, port, 0, world)
+        return describe(dict(self.model.named_parameters()))
+
+    def send_weights(self) -> None:
+        """Every rank gathers (a collective under ZeRO-3); rank 0 broadcasts to the engines."""
+        state = self.backend.full_state_dict()
+        if self.rank == 0:
+            self.weights.send(state)
 
     def save(self, folder: str, tag: str) -> None:
         self.backend.save(folder, tag)

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import ray
+
 from rlfw.distributed.groups import RolloutGroup, TrainerGroup
+from rlfw.distributed.weight_group import TensorMeta
 
 
 class WeightSync(Protocol):
@@ -36,7 +39,37 @@ class ObjectStoreSync:
         rollout.load(ref)  # steps 3-4 (dead engines are replaced and loaded with this version)
 
 
-TRANSPORTS: dict[str, type] = {"object_store": ObjectStoreSync}
+class CollectiveSync:
+    """Across machines: trainer rank 0 broadcasts the weights over a process group of its own with every
+    engine (gloo on CPU, NCCL on GPUs), tensor by tensor in sorted-name order. The group is formed at
+    the first publish and formed again after an engine was replaced (a new actor is not a member)."""
+
+    name = "collective"
+
+    def __init__(self) -> None:
+        self.metas: list[TensorMeta] = []
+        self.members = -1  # rollout.restarts when the group was formed; -1: not formed
+
+    def _form_group(self, trainer: TrainerGroup, rollout: RolloutGroup) -> None:
+        head = trainer.actors[0]
+        host, port = ray.get(head.node_address.remote())
+        world = 1 + len(rollout.actors)
+        joins = [a.join_weight_group.remote(host, port, 1 + i, world) for i, a in enumerate(rollout.actors)]
+        self.metas = ray.get(head.join_weight_group.remote(host, port, world))
+        ray.get(joins)
+        self.members = rollout.restarts
+
+    def publish(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int, contract_hash: str) -> None:
+        if self.members != rollout.restarts:
+            self._form_group(trainer, rollout)
+        sends = [a.send_weights.remote() for a in trainer.actors]  # steps 1-2
+        receives = [a.receive_weights.remote(self.metas, version, contract_hash) for a in rollout.actors]
+        ray.get(sends + receives)  # steps 3-4
+        # A replacement engine is not in the group yet: it gets this version through the object store.
+        rollout.fetch_latest = lambda: trainer.publish(version, contract_hash)
+
+
+TRANSPORTS: dict[str, type] = {"object_store": ObjectStoreSync, "collective": CollectiveSync}
 
 
 def make_sync(name: str) -> WeightSync:

@@ -1,0 +1,108 @@
+"""Run ``rlfw train`` as a subprocess (its own Ray, its own process group) and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOCAL_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "WANDB_MODE": "offline",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "DS_ACCELERATOR": "cpu",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RLFW_PROGRESS": "0",
+}
+# A small, fast configuration of the embedded default for tests that check plumbing, not learning.
+SMALL = ["algo.prompts_per_step=4", "algo.group_size=4", "task.warm_start_steps=20", "logger.wandb=false"]
+
+
+@dataclass
+class Run:
+    returncode: int
+    log: str
+    run_dir: Path
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def command(root: Path, name: str, overrides: list[str]) -> list[str]:
+    rlfw = str(Path(sys.executable).with_name("rlfw"))
+    return [rlfw, "train", f"logger.run_root={root}", f"logger.run_name={name}", *overrides]
+
+
+def env() -> dict[str, str]:
+    return os.environ | LOCAL_ENV
+
+
+def run_train(root: Path, name: str, *overrides: str, timeout: float = 600) -> Run:
+    out = subprocess.run(
+        command(root, name, list(overrides)),
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )
+    return Run(out.returncode, out.stdout + out.stderr, root / name)
+
+
+def run_until(
+    root: Path, name: str, overrides: list[str], ready: Callable[[Path], bool], sig: int, timeout: float = 600
+) -> Run:
+    """Start a run and send ``sig`` once ``ready(run_dir)``: SIGINT to the driver alone (a user's Ctrl-C),
+    SIGKILL to its whole process group (the machine going away)."""
+    log_path = root / f"{name}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            command(root, name, overrides),
+            env=env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ready(root / name):
+                if sig == signal.SIGKILL:
+                    os.killpg(proc.pid, sig)
+                else:
+                    os.kill(proc.pid, sig)
+                break
+            time.sleep(0.05)
+        code = proc.wait(timeout=120)
+    _reap_group(proc.pid)
+    return Run(code, log_path.read_text(), root / name)
+
+
+def state_step_at_least(step: int) -> Callable[[Path], bool]:
+    def ready(run_dir: Path) -> bool:
+        state = run_dir / "run_state.json"
+        return state.is_file() and json.loads(state.read_text())["step"] >= step
+
+    return ready
+
+
+def steps_logged_at_least(n: int) -> Callable[[Path], bool]:
+    def ready(run_dir: Path) -> bool:
+        metrics = run_dir / "metrics.jsonl"
+        return metrics.is_file() and len(metrics.read_text().splitlines()) >= n
+
+    return ready
+
+
+def _reap_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,147 @@
+"""``rlfw train`` end to end on the embedded default (local Ray, built-in engine, DeepSpeed on CPU).
+
+If one of these breaks, the main job no longer does what the README promises a user on a laptop.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlfw.logging.metrics import required_keys
+from rlfw.logging.wandb_reader import read_offline_run
+from tests.train._run import SMALL, Run, run_train, run_until, state_step_at_least, steps_logged_at_least
+
+SCALAR_KEYS_THAT_VARY = ("time/", "throughput/")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run root per module, so the cached warm start is built once."""
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def default_run(root: Path) -> Run:
+    run = run_train(root, "default", "logger.wandb=true", timeout=900)
+    assert run.returncode == 0, run.log[-3000:]
+    return run
+
+
+def _factor(row: dict[str, Any], factor: str) -> float:
+    return float(row[f"ratio/{factor}/max_abs_log"])
+
+
+@pytest.mark.slow
+def test_embedded_default_learns(default_run: Run) -> None:
+    rewards = [row["reward/mean"] for row in default_run.metrics()]
+    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    assert len(rewards) == 60
+    assert last > first + 0.04, (first, last)
+
+
+@pytest.mark.slow
+def test_trainer_decode_and_sampler_factors_are_exactly_zero_under_the_contract(default_run: Run) -> None:
+    """kernels=invariant, sync mode, fp32 sampler: the numerical factors are exactly 1 at every step."""
+    for row in default_run.metrics():
+        for factor in ("trainer", "decode", "sampler", "total", "lag"):
+            assert _factor(row, factor) == 0.0, (row["step"], factor)
+        assert row["ess/total"] == 1.0 and row["sync/staleness_mean"] == 0.0
+    assert "prefill stream is the old-policy log-prob" in default_run.log
+
+
+@pytest.mark.slow
+def test_metrics_and_the_offline_wandb_run_carry_every_key(default_run: Run) -> None:
+    rows = default_run.metrics()
+    for row in rows:
+        missing = set(required_keys(moe=False)) - set(row)
+        assert not missing, missing
+    history = read_offline_run(default_run.run_dir)
+    assert [h["_step"] for h in history] == [r["step"] for r in rows]
+    for h, r in zip(history, rows, strict=True):
+        assert not set(required_keys(moe=False)) - set(h)
+        assert h["reward/mean"] == r["reward/mean"]
+        assert h["ratio/sampler/hist"]["_type"] == "histogram"
+
+
+@pytest.mark.slow
+def test_fp8_sampler_moves_only_the_sampler_factor(root: Path) -> None:
+    run = run_train(root, "fp8", *SMALL, "trainer.steps=3", "engine.sampler.precision=fp8")
+    assert run.returncode == 0, run.log[-3000:]
+    for row in run.metrics():
+        assert _factor(row, "sampler") > 0 and _factor(row, "total") > 0
+        assert _factor(row, "trainer") == 0.0 and _factor(row, "decode") == 0.0
+
+
+@pytest.mark.slow
+def test_two_zero3_ranks_train_like_one_rank(root: Path) -> None:
+    """Sharding the batch over ranks must not change the step: the loss is normalised by the global token
+    count and gradients are summed over ranks (not averaged), so one rank and two give the same update."""
+    one = run_train(
+        root, "one_rank", *SMALL, "trainer.steps=2", "trainer.num_ranks=1", "trainer.zero_stage=1"
+    )
+    two = run_train(root, "zero3", *SMALL, "trainer.steps=2", "trainer.num_ranks=2", "trainer.zero_stage=3")
+    assert one.returncode == 0 and two.returncode == 0, two.log[-3000:]
+    for a, b in zip(one.metrics(), two.metrics(), strict=True):
+        assert _factor(b, "trainer") == 0.0 and a["reward/mean"] == b["reward/mean"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-9)
+        assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=1e-5, abs=1e-9)
+    assert one.metrics()[0]["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_collective_weight_sync_delivers_the_exact_weights(root: Path) -> None:
+    """Over the gloo broadcast group the engines get the trainer's weights bit for bit: the trainer factor
+    of the next step (trainer at v+1 against an engine that loaded v+1) is exactly zero."""
+    run = run_train(root, "collective", *SMALL, "trainer.steps=3", "sync.transport=collective")
+    assert run.returncode == 0, run.log[-3000:]
+    rows = run.metrics()
+    assert len(rows) == 3 and all(_factor(r, "trainer") == 0.0 for r in rows)
+
+
+def _comparable(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if not k.startswith(SCALAR_KEYS_THAT_VARY)}
+
+
+@pytest.mark.slow
+def test_resume_after_kill_gives_the_same_metrics(root: Path) -> None:
+    args = [*SMALL, "trainer.steps=6", "trainer.checkpoint_every=2"]
+    whole = run_train(root, "whole", *args)
+    assert whole.returncode == 0, whole.log[-3000:]
+    killed = run_until(root, "killed", args, state_step_at_least(3), signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    resumed = run_train(root, "killed", *args, "resume=true")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    after = resumed.metrics()
+    assert [r["step"] for r in after] == list(range(6))
+    for a, b in zip(whole.metrics()[4:], after[4:], strict=True):
+        assert _comparable(a) == _comparable(b)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(root: Path) -> None:
+    overrides = [*SMALL, "trainer.steps=200", "trainer.checkpoint_every=100"]
+    run = run_until(root, "interrupted", overrides, steps_logged_at_least(2), signal.SIGINT)
+    assert run.returncode == 130, run.log[-3000:]
+    assert "interrupted: saving a checkpoint" in run.log
+    state = (run.run_dir / "run_state.json").read_text()
+    assert '"tag": "step' in state
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.foo=1"], "unknown config key 'model.foo'; keys allowed here: path, preset"),
+        (["trainer.zero_stage=7"], "trainer.zero_stage=7 is not allowed; choose one of: 0, 1, 2, 3"),
+        (["model=hf", "model.path=/no/such/checkpoint"], "/no/such/checkpoint/config.json not found"),
+    ],
+)
+def test_config_errors_fail_fast_and_name_the_key(tmp_path: Path, overrides: list[str], message: str) -> None:
+    run = run_train(tmp_path, "bad", *overrides, timeout=120)
+    assert run.returncode == 2
+    assert message in run.log
+    assert "Traceback" not in run.log
