@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from rlfw.kernels import Ops
 from rlfw.model import Transformer
 
 Runner = Callable[[Transformer], tuple[int, int]]  # runs the model, returns (row, number of leading pads)
@@ -74,7 +75,7 @@ def recording(model: Transformer) -> Iterator[_Recorder]:
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     original = model.ops
-    model.ops = rec  # type: ignore[assignment]
+    model.ops = cast(Ops, rec)  # records every op call, then forwards it
     try:
         yield rec
     finally:

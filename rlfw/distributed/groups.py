@@ -12,9 +12,9 @@ from ray.exceptions import RayActorError
 
 from rlfw.config import EngineConfig
 from rlfw.distributed.cluster import Pool, free_port
-from rlfw.distributed.rollout_worker import RolloutWorker
+from rlfw.distributed.rollout_worker import RolloutActor
 from rlfw.distributed.specs import ModelSpec
-from rlfw.distributed.trainer_worker import TrainerWorker
+from rlfw.distributed.trainer_worker import TrainerActor
 from rlfw.trainer.deepspeed_backend import OptimConfig
 from rlfw.trainer.step import StepSpec
 from rlfw.types import GenerationRequest, Sample, TrainBatch, TrainResult, WeightUpdate
@@ -42,14 +42,14 @@ class RolloutGroup:
         self, pool: Pool, spec: ModelSpec, engine_cfg: EngineConfig, stop_ids: list[int], contract_hash: str
     ) -> None:
         self.pool, self.args = pool, (spec, engine_cfg, stop_ids, contract_hash)
-        self.actors = [self._spawn(i) for i in range(pool.size)]
+        self.actors: list[Any] = [self._spawn(i) for i in range(pool.size)]  # actor handles
         self.latest: Any = None  # ObjectRef of the last WeightUpdate, loaded into replacements
         # Transports that do not keep the last version in the object store put it there on demand.
         self.fetch_latest: Callable[[], Any] | None = None
         self.restarts = 0
 
     def _spawn(self, index: int) -> Any:
-        return RolloutWorker.options(**self.pool.options(index)).remote(*self.args)  # type: ignore[attr-defined]
+        return RolloutActor.options(**self.pool.options(index)).remote(*self.args)
 
     def _replace(self, index: int) -> None:
         log.warning("rollout actor %d died; restarting it from the last published version", index)
@@ -77,10 +77,11 @@ class RolloutGroup:
         samples: list[Sample] = []
         for i, (shard, future) in enumerate(zip(shards, futures, strict=True)):
             try:
-                samples += ray.get(future)
+                packed = ray.get(future)
             except RayActorError:
                 self._replace(i)
-                samples += self._call(i, "generate", shard)
+                packed = self._call(i, "generate", shard)
+            samples += packed.unpack()
         return sorted(samples, key=lambda s: (s.prompt_id, s.sample_index))
 
     def load(self, update_ref: Any) -> None:
@@ -104,8 +105,8 @@ class TrainerGroup:
 
     def __init__(self, pool: Pool, spec: ModelSpec, optim: OptimConfig, step: StepSpec) -> None:
         port = free_port()
-        self.actors = [
-            TrainerWorker.options(**pool.options(r)).remote(r, pool.size, port, spec, optim, step)  # type: ignore[attr-defined]
+        self.actors: list[Any] = [  # actor handles
+            TrainerActor.options(**pool.options(r)).remote(r, pool.size, port, spec, optim, step)
             for r in range(pool.size)
         ]
 

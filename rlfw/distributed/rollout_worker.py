@@ -10,10 +10,9 @@ from rlfw.config import EngineConfig
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup
 from rlfw.rollout.engine import NativeEngine
-from rlfw.types import GenerationRequest, Sample, WeightUpdate
+from rlfw.types import GenerationRequest, SampleBatch, WeightUpdate
 
 
-@ray.remote
 class RolloutWorker:
     """Generates samples at the weight version it holds; loads published versions on request."""
 
@@ -22,8 +21,8 @@ class RolloutWorker:
     ) -> None:
         self.engine = NativeEngine.from_config(spec.build(), engine_cfg, stop_ids, contract_hash)
 
-    def generate(self, request: GenerationRequest) -> list[Sample]:
-        return self.engine.generate(request)
+    def generate(self, request: GenerationRequest) -> SampleBatch:
+        return SampleBatch.pack(self.engine.generate(request))
 
     def update_weights(self, update: WeightUpdate) -> int:
         """Load a published version (the engine checks its contract hash); returns the new version."""
@@ -45,3 +44,6 @@ class RolloutWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+RolloutActor = ray.remote(RolloutWorker)

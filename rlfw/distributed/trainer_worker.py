@@ -14,7 +14,6 @@ from rlfw.trainer.step import StepSpec, train_step
 from rlfw.types import TrainBatch, TrainResult
 
 
-@ray.remote
 class TrainerWorker:
     """One data-parallel rank: trains on its shard of each step, publishes weights from rank 0."""
 
@@ -77,3 +76,6 @@ class TrainerWorker:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+TrainerActor = ray.remote(TrainerWorker)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from rlfw.model.config import ModelArgs
 from rlfw.model.transformer import Transformer
 
 # head_dim 32 keeps vLLM's CPU attention backend willing to run the same checkpoints.
-_TINY = dict(
+TINY_DENSE = ModelArgs(
+    model_type="qwen3",
     vocab_size=96,
     hidden_size=64,
     intermediate_size=128,
@@ -22,14 +25,14 @@ _TINY = dict(
 )
 
 PRESETS: dict[str, ModelArgs] = {
-    "tiny_dense": ModelArgs(model_type="qwen3", **_TINY),  # type: ignore[arg-type]
-    "tiny_moe": ModelArgs(
+    "tiny_dense": TINY_DENSE,
+    "tiny_moe": replace(
+        TINY_DENSE,
         model_type="qwen3_moe",
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=64,
         norm_topk_prob=True,
-        **_TINY,  # type: ignore[arg-type]
     ),
 }
 

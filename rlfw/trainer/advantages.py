@@ -26,7 +26,7 @@ def grpo_advantages(
     for members in groups.values():
         if len(members) < 2:
             continue
-        rewards = torch.tensor([[float(s.reward) for s in members]])  # type: ignore[arg-type]
+        rewards = torch.tensor([[s.reward for s in members if s.reward is not None]])
         adv = group_advantages(rewards, "leave_one_out" if leave_one_out else "mean", std_scaling)
         kept += members
         advantages += adv[0].tolist()
