@@ -28,7 +28,7 @@ from rlfw.train_report import StepTimes, step_report
 from rlfw.train_setup import Setup, optim_config, prepare, step_spec
 from rlfw.trainer.advantages import grpo_advantages
 from rlfw.trainer.batch import collate
-from rlfw.types import GenerationRequest, Sample
+from rlfw.types import GenerationRequest, Sample, TrainBatch
 
 log = logging.getLogger("rlfw.train")
 CHECKPOINTS = "checkpoints"
@@ -36,10 +36,8 @@ CHECKPOINTS = "checkpoints"
 
 def train(run: RunConfig) -> int:
     """Run ``run`` to its last step; returns the exit code (130 after Ctrl-C, with a checkpoint saved)."""
-    if run.sync.mode != "sync" or run.algo.name != "grpo":
-        raise NotImplementedError(
-            f"sync.mode={run.sync.mode}, algo={run.algo.name}: this version trains sync.mode=sync, algo=grpo"
-        )
+    if run.sync.mode != "sync":
+        raise NotImplementedError(f"sync.mode={run.sync.mode}: this version trains sync.mode=sync")
     run_dir = make_run_dir(run.logger.run_root, run.logger.run_name, run.resume)
     (run_dir / "config.yaml").write_text(to_yaml(run))
     setup = prepare(run, run_dir)
@@ -77,8 +75,7 @@ def train(run: RunConfig) -> int:
             samples = rollout.generate(request_for(problems, setup, run, step))  # generate with version v
             t1 = time.perf_counter()
             failed = reward(setup, problems, samples)  # score
-            kept, advantages = grpo_advantages(samples, run.algo.std_scaling, run.algo.leave_one_out)
-            batch = collate(kept, advantages)
+            batch = make_batch(samples, run)  # advantages (GRPO) or token rewards (PPO)
             t2 = time.perf_counter()
             result = trainer.train(batch)  # train
             t3 = time.perf_counter()
@@ -112,6 +109,15 @@ def request_for(problems: list[Problem], setup: Setup, run: RunConfig, step: int
     return GenerationRequest(
         list(range(len(problems))), prompts, run.algo.group_size, run.engine.max_new_tokens, seed
     )
+
+
+def make_batch(samples: list[Sample], run: RunConfig) -> TrainBatch:
+    """GRPO normalises rewards within each prompt's group; PPO hands the rewards to the trainer's critic."""
+    if run.algo.name == "ppo":
+        kept = [s for s in samples if s.reward is not None]
+        return collate(kept, [0.0] * len(kept), token_rewards=True)
+    kept, advantages = grpo_advantages(samples, run.algo.std_scaling, run.algo.leave_one_out)
+    return collate(kept, advantages)
 
 
 def reward(setup: Setup, problems: list[Problem], samples: list[Sample]) -> int:

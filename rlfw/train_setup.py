@@ -17,7 +17,7 @@ from rlfw.rollout.sampling import Transforms
 from rlfw.tasks import Task, build_task
 from rlfw.tokenizer import build_tiny_tokenizer, check_vocab, load_tokenizer
 from rlfw.trainer.deepspeed_backend import OptimConfig
-from rlfw.trainer.step import StepSpec
+from rlfw.trainer.step import PPOSpec, StepSpec
 from rlfw.trainer.warm_start import WarmStart, cached_warm_start
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ def step_spec(run: RunConfig, setup: Setup) -> StepSpec:
             "scoring forward for the old-policy log-prob",
             setup.contract.hash,
         )
+    ppo = PPOSpec(run.algo.gamma, run.algo.lam, run.algo.value_coef) if run.algo.name == "ppo" else None
     return StepSpec(
-        setup.transforms, run.correction, run.trainer.micro_batch_size, reuse, run.model.router_replay
+        setup.transforms, run.correction, run.trainer.micro_batch_size, reuse, run.model.router_replay, ppo
     )

@@ -187,6 +187,7 @@ class TrainBatch:
     topk_ids: Tensor  # int64 [B, L-1, K]
     topk_logp: Tensor  # fp32 [B, L-1, K]
     routed_experts: Tensor | None  # int64 [B, L, n_moe_layers, k] for R3, None for dense models
+    rewards: Tensor | None = None  # fp32 [B, L-1] PPO: the sample's reward at its last response token
 
     @property
     def num_tokens(self) -> int:

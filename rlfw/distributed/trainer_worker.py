@@ -32,6 +32,8 @@ class TrainerWorker:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         deepspeed.init_distributed(dist_backend=backend)
         self.model = spec.build().train()
+        if step.ppo is not None:
+            self.model.attach_value_head()
         self.backend = DeepSpeedBackend(self.model, optim)
         self.step_spec = step
         self.rank = rank

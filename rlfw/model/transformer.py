@@ -32,6 +32,9 @@ def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor,
     return emb.cos(), emb.sin()
 
 
+VALUE_HEAD = "value_head.weight"
+
+
 class Transformer(nn.Module):
     """Qwen3 / Llama dense and Qwen3-MoE causal LM.
 
@@ -46,6 +49,17 @@ class Transformer(nn.Module):
         self.model = Backbone(args)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
         self.ops: Ops = get_ops(kernels)
+        self.value_head: Linear | None = None
+
+    def attach_value_head(self) -> None:
+        """Grow a scalar value head on the final hidden states (PPO's critic; zero-initialised).
+
+        It is not part of the HF causal-LM checkpoint: engines never have one, and weight publishing
+        leaves it out (:data:`VALUE_HEAD` names its parameter).
+        """
+        self.value_head = Linear(self.args.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        self.value_head.to(self.model.embed_tokens.weight.dtype)
 
     def set_kernels(self, name: str) -> None:
         """Switch the op set (``kernels=invariant|default``) without touching the weights."""
@@ -133,14 +147,22 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         slots: Tensor | None = None,
         routing: RouterTrace | None = None,
-    ) -> Tensor:
-        """Logits ``[B, T, V]`` for ``input_ids [B, T]``.
+        with_values: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Logits ``[B, T, V]`` for ``input_ids [B, T]`` (and values ``[B, T]`` with ``with_values``).
 
         ``attention_mask [B, T]`` (1 = token, 0 = padding, left or right). ``cache``/``slots``: extend
         these cache rows (prefill or decode); the new tokens continue each row after its cached length.
-        ``routing``: record the MoE expert ids, or replay given ones (R3).
+        ``routing``: record the MoE expert ids, or replay given ones (R3). ``with_values``: also return
+        the value head's estimate at every position (needs :meth:`attach_value_head`).
         """
         h, ctx = self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
         if self.lm_head is None:  # tied: the embedding matrix is the head
-            return self.ops.linear(h, self.model.embed_tokens.weight)
-        return self.lm_head(h, ctx)
+            logits = self.ops.linear(h, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(h, ctx)
+        if not with_values:
+            return logits
+        if self.value_head is None:
+            raise ValueError("with_values=True needs a value head: call attach_value_head() (algo=ppo does)")
+        return logits, self.value_head(h, ctx).squeeze(-1).float()

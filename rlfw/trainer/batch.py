@@ -8,8 +8,12 @@ from torch import Tensor
 from rlfw.types import Sample, TrainBatch
 
 
-def collate(samples: list[Sample], advantages: list[float]) -> TrainBatch:
-    """Pad samples into a :class:`TrainBatch`; ``advantages[i]`` is broadcast over sample ``i``'s tokens."""
+def collate(samples: list[Sample], advantages: list[float], token_rewards: bool = False) -> TrainBatch:
+    """Pad samples into a :class:`TrainBatch`; ``advantages[i]`` is broadcast over sample ``i``'s tokens.
+
+    With ``token_rewards`` (PPO) each sample's reward is also placed at its last response token, for the
+    trainer's GAE.
+    """
     width = max(s.tokens.shape[0] for s in samples)
     b, k = len(samples), samples[0].topk_ids.shape[1]
     tokens = torch.zeros(b, width, dtype=torch.long)
@@ -40,8 +44,16 @@ def collate(samples: list[Sample], advantages: list[float]) -> TrainBatch:
         topk_ids=topk_ids,
         topk_logp=topk_logp,
         routed_experts=routed,
+        rewards=_terminal_rewards(samples, width) if token_rewards else None,
         **per_token,
     )
+
+
+def _terminal_rewards(samples: list[Sample], width: int) -> Tensor:
+    rewards = torch.zeros(len(samples), width - 1)
+    for i, s in enumerate(samples):
+        rewards[i, s.tokens.shape[0] - 2] = float(s.reward or 0.0)  # prediction index of the last token
+    return rewards
 
 
 def _routed(samples: list[Sample], width: int) -> Tensor | None:

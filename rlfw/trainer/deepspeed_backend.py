@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from rlfw.model import Transformer
+from rlfw.model.transformer import VALUE_HEAD
 
 
 @dataclass
@@ -111,10 +112,13 @@ class DeepSpeedBackend:
         )
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """Every parameter, gathered (ZeRO-3 partitions them), on CPU, under the HF names."""
+        """Every policy parameter, gathered (ZeRO-3 partitions them), on CPU, under the HF names.
+
+        The critic's value head stays with the trainer: engines have no use for it.
+        """
         import deepspeed
 
-        params = dict(self.model.named_parameters())
+        params = {k: v for k, v in self.model.named_parameters() if k != VALUE_HEAD}
         with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
             return {k: v.detach().clone().cpu() for k, v in params.items()}
 

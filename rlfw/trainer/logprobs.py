@@ -21,10 +21,18 @@ class TrainerLogp:
     logp: Tensor
     topk_logp: Tensor | None
     replay_mismatch: float | None
+    values: Tensor | None = None  # [B, L-1] critic estimate at each prediction position (PPO)
 
 
 def trainer_logp(
-    model: nn.Module, ops_model: Transformer, batch: TrainBatch, t: Transforms, *, replay: bool, topk: bool
+    model: nn.Module,
+    ops_model: Transformer,
+    batch: TrainBatch,
+    t: Transforms,
+    *,
+    replay: bool,
+    topk: bool,
+    values: bool = False,
 ) -> TrainerLogp:
     """Run ``model`` (the trainer's module, possibly wrapped by DeepSpeed) over ``batch``.
 
@@ -35,14 +43,16 @@ def trainer_logp(
     routing = None
     if batch.routed_experts is not None:
         routing = RouterTrace(replay=batch.routed_experts if replay else None)
-    logits = model(batch.tokens, batch.attention_mask, routing=routing)[:, :-1]
+    out = model(batch.tokens, batch.attention_mask, routing=routing, with_values=values)
+    logits, v = out if values else (out, None)
+    logits = logits[:, :-1]
     logp_all = ops_model.ops.log_softmax(process_logits(logits, t))
     logp = logp_all.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
     topk_logp = logp_all.gather(-1, batch.topk_ids) if topk else None
     mismatch = (
         routing.replay_mismatch_frac(batch.attention_mask) if (routing is not None and replay) else None
     )
-    return TrainerLogp(logp, topk_logp, mismatch)
+    return TrainerLogp(logp, topk_logp, mismatch, None if v is None else v[:, :-1])
 
 
 def scoring_logp(
@@ -54,4 +64,17 @@ def scoring_logp(
             trainer_logp(model, ops_model, mb, t, replay=True, topk=False).logp
             for mb in micro_batches(batch, micro)
         ]
+    return torch.cat(parts)
+
+
+def critic_values(
+    model: nn.Module, ops_model: Transformer, batch: TrainBatch, t: Transforms, micro: int
+) -> Tensor:
+    """The critic's no-grad estimates over the whole batch, ``[B, L-1]`` (the pre-update values GAE reads)."""
+    with torch.no_grad():
+        parts = []
+        for mb in micro_batches(batch, micro):
+            v = trainer_logp(model, ops_model, mb, t, replay=True, topk=False, values=True).values
+            assert v is not None
+            parts.append(v)
     return torch.cat(parts)

@@ -10,18 +10,18 @@ scoring forward itself.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from rlfw.algos import CorrectionConfig, LossInputs, policy_loss, ratio_report
+from rlfw.algos import CorrectionConfig, LossInputs, gae, policy_loss, ratio_report, value_loss
 from rlfw.algos.batch import prepare
 from rlfw.model import Transformer
 from rlfw.rollout.sampling import Transforms
 from rlfw.trainer.batch import micro_batches
-from rlfw.trainer.logprobs import scoring_logp, trainer_logp
+from rlfw.trainer.logprobs import critic_values, scoring_logp, trainer_logp
 from rlfw.types import TrainBatch, TrainResult
 
 
@@ -41,6 +41,16 @@ class Backend(Protocol):
 
 
 @dataclass
+class PPOSpec:
+    """PPO's critic settings: GAE over the token rewards, a clipped value loss added to the policy loss."""
+
+    gamma: float
+    lam: float
+    value_coef: float
+    value_clip: float | None = 0.2
+
+
+@dataclass
 class StepSpec:
     """The few settings one step needs."""
 
@@ -49,6 +59,7 @@ class StepSpec:
     micro_batch_size: int
     prefill_as_old: bool  # the contract holds: take the prefill stream as the old-policy log-prob
     router_replay: bool
+    ppo: PPOSpec | None = None  # None: GRPO (advantages come with the batch)
 
 
 def old_policy_logp(backend: Backend, model: Transformer, batch: TrainBatch, spec: StepSpec) -> Tensor:
@@ -74,15 +85,33 @@ def train_step(
     R3 mismatch.
     """
     old = old_policy_logp(backend, model, batch, spec)
+    critic = _critic_targets(backend, model, batch, spec) if spec.ppo is not None else None
+    if critic is not None:
+        batch = replace(batch, advantages=critic[0])
     topk = spec.correction.name in ("centering", "dlc")
     q_parts: list[Tensor] = []
     mismatch: list[float] = []
     sums: dict[str, float] = defaultdict(float)
     for i, mb in enumerate(micro_batches(batch, spec.micro_batch_size)):
         rows = slice(i * spec.micro_batch_size, i * spec.micro_batch_size + len(mb))
-        out = trainer_logp(backend.module, model, mb, spec.transforms, replay=spec.router_replay, topk=topk)
+        out = trainer_logp(
+            backend.module,
+            model,
+            mb,
+            spec.transforms,
+            replay=spec.router_replay,
+            topk=topk,
+            values=critic is not None,
+        )
         inputs = _loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences)
         loss, metrics = policy_loss(inputs, spec.correction)
+        if critic is not None and spec.ppo is not None and out.values is not None:
+            _, old_values, returns = critic
+            v_loss, v_metrics = value_loss(
+                out.values, old_values[rows], returns[rows], mb.mask, num_tokens, spec.ppo.value_clip
+            )
+            loss = loss + spec.ppo.value_coef * v_loss
+            metrics = {**metrics, **v_metrics}
         backend.backward(loss)
         q_parts.append(out.logp.detach())
         for k, v in metrics.items():
@@ -95,6 +124,17 @@ def train_step(
     if mismatch:
         scalars["router/replay_mismatch_frac"] = sum(mismatch) / len(mismatch)
     return TrainResult(trainer_logp=torch.cat(q_parts), old_logp=old, scalars=scalars)
+
+
+def _critic_targets(
+    backend: Backend, model: Transformer, batch: TrainBatch, spec: StepSpec
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(advantages, old values, returns), all [B, L-1]: GAE over the token rewards with the pre-update
+    critic. Advantages are not whitened across the batch, so sharding rows over ranks changes nothing."""
+    assert spec.ppo is not None and batch.rewards is not None, "algo=ppo needs token rewards in the batch"
+    old_values = critic_values(backend.module, model, batch, spec.transforms, spec.micro_batch_size)
+    advantages, returns = gae(batch.rewards, old_values, batch.mask, spec.ppo.gamma, spec.ppo.lam)
+    return advantages, old_values, returns
 
 
 def step_metrics(

@@ -103,6 +103,15 @@ def test_collective_weight_sync_delivers_the_exact_weights(root: Path) -> None:
     assert len(rows) == 3 and all(_factor(r, "trainer") == 0.0 for r in rows)
 
 
+@pytest.mark.slow
+def test_ppo_runs_with_a_critic(root: Path) -> None:
+    run = run_train(root, "ppo", *SMALL, "algo=ppo", "algo.prompts_per_step=16", "trainer.steps=3")
+    assert run.returncode == 0, run.log[-3000:]
+    rows = run.metrics()
+    assert len(rows) == 3 and all(r["loss/value"] is not None and r["loss/value"] >= 0 for r in rows)
+    assert all(_factor(r, "trainer") == 0.0 for r in rows)
+
+
 def _comparable(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if not k.startswith(SCALAR_KEYS_THAT_VARY)}
 
