@@ -17,7 +17,7 @@ from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.trainer_worker import TrainerActor
 from rlfw.trainer.deepspeed_backend import OptimConfig
 from rlfw.trainer.step import StepSpec
-from rlfw.types import GenerationRequest, Sample, TrainBatch, TrainResult, WeightUpdate
+from rlfw.types import GenerationRequest, Sample, TrainBatch, TrainResult
 
 log = logging.getLogger(__name__)
 MAX_RETRIES = 3
@@ -122,9 +122,10 @@ class TrainerGroup:
         return merge_results(results, [batch.rows(s).num_tokens for s in shards])
 
     def publish(self, version: int, contract_hash: str) -> Any:
-        """Gather full weights (every rank takes part), put rank 0's copy in the object store once."""
-        states = ray.get([a.state_dict.remote() for a in self.actors])
-        return ray.put(WeightUpdate(version=version, contract_hash=contract_hash, state_dict=states[0]))
+        """Gather full weights (every rank takes part); rank 0 puts them in the object store itself, so
+        they never pass through the driver. Returns the reference."""
+        refs = ray.get([a.publish.remote(version, contract_hash) for a in self.actors])
+        return refs[0][0]
 
     def save(self, folder: str, tag: str) -> None:
         ray.get([a.save.remote(folder, tag) for a in self.actors])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import ray
 import torch
@@ -11,7 +12,7 @@ from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup, describe
 from rlfw.trainer.deepspeed_backend import DeepSpeedBackend, OptimConfig
 from rlfw.trainer.step import StepSpec, train_step
-from rlfw.types import TrainBatch, TrainResult
+from rlfw.types import TrainBatch, TrainResult, WeightUpdate
 
 
 class TrainerWorker:
@@ -41,9 +42,14 @@ class TrainerWorker:
     def train(self, batch: TrainBatch, num_tokens: int, num_sequences: int) -> TrainResult:
         return train_step(self.backend, self.model, batch, self.step_spec, num_tokens, num_sequences)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights (gathered under ZeRO-3); every rank must call it, rank 0's copy is used."""
-        return self.backend.full_state_dict()
+    def publish(self, version: int, contract_hash: str) -> list[Any]:
+        """Gather the full weights (every rank must call it: a collective under ZeRO-3); rank 0 puts one
+        :class:`WeightUpdate` in the object store and returns ``[ref]`` (a list, so Ray hands back the
+        reference rather than the weights)."""
+        state = self.backend.full_state_dict()
+        if self.rank != 0:
+            return []
+        return [ray.put(WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state))]
 
     def node_address(self) -> tuple[str, int]:
         """This node's address and a free port on it, for the weight-broadcast group (rank 0 hosts it)."""
