@@ -44,7 +44,7 @@ from rlfw.types import GenerationRequest
 PHASES = ("time/generate", "time/reward", "time/train", "time/sync", "time/step")
 
 
-def ray_run(root: Path, steps: int) -> dict[str, float]:
+def ray_run(root: Path, steps: int, overrides: list[str]) -> dict[str, float]:
     env = os.environ | {
         "OMP_NUM_THREADS": "1",
         "WANDB_MODE": "offline",
@@ -60,13 +60,14 @@ def ray_run(root: Path, steps: int) -> dict[str, float]:
         "logger.run_name=b",
         f"trainer.steps={steps}",
         "logger.wandb=false",
+        *overrides,
     ]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     rows = [json.loads(line) for line in (root / "b" / "metrics.jsonl").read_text().splitlines()][1:]
     return {k: statistics.median(r[k] for r in rows) for k in PHASES}
 
 
-def in_process(root: Path, reps: int) -> dict[str, float]:
+def in_process(root: Path, reps: int, overrides: list[str]) -> dict[str, float]:
     """The same phases in this process: the warm-started checkpoint of the Ray run, the same engine
     settings, the same DeepSpeed backend (one rank over gloo), no Ray."""
     import deepspeed
@@ -75,7 +76,7 @@ def in_process(root: Path, reps: int) -> dict[str, float]:
     from rlfw.train_setup import optim_config
     from rlfw.trainer.deepspeed_backend import DeepSpeedBackend
 
-    run = load_config([])
+    run = load_config(overrides)
     tok, task = build_tiny_tokenizer(), Arithmetic(run.task.max_operand)
     checkpoint = next((root / ".cache").glob("warm_start-*"))
     trainer_model = from_pretrained(checkpoint, kernels=run.kernels).train()
@@ -125,14 +126,16 @@ def in_process(root: Path, reps: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("overrides", nargs="*", help="config overrides for both measurements")
     args = parser.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp())
-    ray_phases = ray_run(root, args.steps)
-    local = in_process(root, args.steps)
+    ray_phases = ray_run(root, args.steps, args.overrides)
+    local = in_process(root, args.steps, args.overrides)
     step = ray_phases["time/step"]
     compute = local["generate"] + local["train"] + local["sync"]
-    print(f"embedded default, median over steps 1..{args.steps - 1}, seconds")
+    label = " ".join(["embedded default", *args.overrides])
+    print(f"{label}, median over steps 1..{args.steps - 1}, seconds")
     print("| phase | rlfw train (Ray) | in-process compute | share of Ray step |")
     print("|---|---|---|---|")
     for name, key in (("generate", "time/generate"), ("train", "time/train"), ("weight sync", "time/sync")):
