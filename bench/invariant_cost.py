@@ -10,18 +10,12 @@ reports medians and the ratio invariant / default.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from paired import paired_medians
 
 from rlfw.model import Transformer, build_preset
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def forward(model: Transformer, ids: torch.Tensor) -> Callable[[], None]:
@@ -59,19 +53,6 @@ def train_step(model: Transformer, ids: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def paired(a: Callable[[], None], b: Callable[[], None], reps: int) -> tuple[float, float]:
-    a(), b()
-    ta, tb = [], []
-    for _ in range(reps):
-        for f, acc in ((a, ta), (b, tb)):
-            sync()
-            t0 = time.perf_counter()
-            f()
-            sync()
-            acc.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=8)
@@ -90,7 +71,7 @@ def main() -> None:
             for kernels in ("default", "invariant"):
                 model = build_preset(preset, seed=0, kernels=kernels).to(device).train(what == "train step")
                 runs.append(make(model, ids))
-            t_def, t_inv = paired(runs[0], runs[1], args.reps)
+            t_def, t_inv = paired_medians(runs[0], runs[1], args.reps)
             print(f"| {preset} | {what} | {t_def * 1e3:.2f} | {t_inv * 1e3:.2f} | {t_inv / t_def:.2f} |")
 
 

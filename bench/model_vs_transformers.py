@@ -9,13 +9,12 @@ machine noise hits both alike, and the table reports medians and the ratio rlfw 
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from paired import paired_medians
 
 from rlfw.model import from_pretrained
 
@@ -62,18 +61,6 @@ def train_fn(model: torch.nn.Module, ids: torch.Tensor, hf: bool) -> Callable[[]
         opt.zero_grad(set_to_none=True)
 
     return run
-
-
-def paired_medians(a: Callable[[], None], b: Callable[[], None], reps: int) -> tuple[float, float]:
-    for f in (a, b):
-        f()  # warm-up
-    ta, tb = [], []
-    for _ in range(reps):
-        for f, acc in ((a, ta), (b, tb)):
-            t0 = time.perf_counter()
-            f()
-            acc.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def main() -> None:
