@@ -38,6 +38,8 @@ def train(run: RunConfig) -> int:
     """Run ``run`` to its last step; returns the exit code (130 after Ctrl-C, with a checkpoint saved)."""
     if run.sync.mode != "sync":
         raise NotImplementedError(f"sync.mode={run.sync.mode}: this version trains sync.mode=sync")
+    if run.engine.name != "native":
+        raise NotImplementedError(f"engine={run.engine.name}: this version generates with engine=native")
     run_dir = make_run_dir(run.logger.run_root, run.logger.run_name, run.resume)
     (run_dir / "config.yaml").write_text(to_yaml(run))
     setup = prepare(run, run_dir)
