@@ -78,6 +78,14 @@ def train(run: RunConfig) -> int:
             t1 = time.perf_counter()
             failed = reward(setup, problems, samples)  # score
             batch = make_batch(samples, run)  # advantages (GRPO) or token rewards (PPO)
+            if len(batch) < run.trainer.num_ranks:
+                log.warning(
+                    "step %d: %d of %d rewards failed; too few samples left to train, step skipped",
+                    step,
+                    failed,
+                    len(samples),
+                )
+                continue
             t2 = time.perf_counter()
             result = trainer.train(batch)  # train
             t3 = time.perf_counter()

@@ -14,8 +14,8 @@ def collate(samples: list[Sample], advantages: list[float], token_rewards: bool 
     With ``token_rewards`` (PPO) each sample's reward is also placed at its last response token, for the
     trainer's GAE.
     """
-    width = max(s.tokens.shape[0] for s in samples)
-    b, k = len(samples), samples[0].topk_ids.shape[1]
+    width = max((s.tokens.shape[0] for s in samples), default=1)
+    b, k = len(samples), samples[0].topk_ids.shape[1] if samples else 0
     tokens = torch.zeros(b, width, dtype=torch.long)
     attention = torch.zeros_like(tokens)
     per_token = {name: torch.zeros(b, width - 1) for name in ("sampler_logp", "decode_logp", "prefill_logp")}
@@ -57,7 +57,7 @@ def _terminal_rewards(samples: list[Sample], width: int) -> Tensor:
 
 
 def _routed(samples: list[Sample], width: int) -> Tensor | None:
-    first = samples[0].routed_experts
+    first = samples[0].routed_experts if samples else None
     if first is None:
         return None
     return torch.zeros(len(samples), width, *first.shape[1:], dtype=torch.long)

@@ -99,3 +99,9 @@ def test_ppo_trains_the_value_head_on_gae_targets() -> None:
     reward_per_token = batch.rewards.sum(1, keepdim=True) * batch.mask
     expected = -float((reward_per_token * result.trainer_logp).sum()) / batch.num_tokens
     assert result.scalars["loss/policy"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_an_empty_batch_collates_to_zero_rows() -> None:
+    """Every reward failed: the driver sees a zero-row batch and skips the step instead of crashing."""
+    batch = collate([], [])
+    assert len(batch) == 0 and batch.num_tokens == 0
