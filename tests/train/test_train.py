@@ -104,6 +104,16 @@ def test_collective_weight_sync_delivers_the_exact_weights(root: Path) -> None:
 
 
 @pytest.mark.slow
+def test_moe_recipe_with_router_replay_logs_every_moe_key(root: Path) -> None:
+    run = run_train(root, "moe_r3", "recipe=tiny_moe_r3", *SMALL, "trainer.steps=2")
+    assert run.returncode == 0, run.log[-3000:]
+    for row in run.metrics():
+        assert not set(required_keys(moe=True)) - set(row)
+        # same weights, invariant kernels: the trainer's own router would have chosen the replayed experts
+        assert row["router/replay_mismatch_frac"] == 0.0 and _factor(row, "trainer") == 0.0
+
+
+@pytest.mark.slow
 def test_ppo_runs_with_a_critic(root: Path) -> None:
     run = run_train(root, "ppo", *SMALL, "algo=ppo", "algo.prompts_per_step=16", "trainer.steps=3")
     assert run.returncode == 0, run.log[-3000:]
