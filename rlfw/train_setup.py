@@ -33,11 +33,6 @@ class Setup:
     stop_ids: list[int]
 
 
-def transforms_of(run: RunConfig) -> Transforms:
-    s = run.engine.sampler
-    return Transforms(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
-
-
 def tokenizer_of(run: RunConfig, vocab_size: int) -> PreTrainedTokenizerBase:
     if run.model.tokenizer == "tiny" or run.model.path is None:
         tok = build_tiny_tokenizer()
@@ -63,7 +58,7 @@ def prepare(run: RunConfig, run_dir: Path) -> Setup:
         folder = cached_warm_start(Path(run.logger.run_root) / ".cache", model, tok, task, ws)
         log.info("warm start: %d supervised steps, checkpoint %s", ws.steps, folder)
         spec = ModelSpec(str(folder), None, run.model.dtype, run.kernels, run.model.seed)
-    t = transforms_of(run)
+    t = Transforms.from_config(run.engine.sampler)
     keep_kv = run.engine.in_flight and run.engine.kv_policy == "keep"
     contract = build_contract(
         get_ops(run.kernels), run.model.dtype, run.engine.sampler.precision, asdict(t), keep_kv

@@ -33,11 +33,6 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
     )
 
 
-def transforms_of(run: RunConfig) -> Transforms:
-    s = run.engine.sampler
-    return Transforms(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
-
-
 def compare_pairs(cases: dict[str, list[Tensor]], contract: ExecutionContract) -> dict[str, dict[str, Any]]:
     out = {}
     for a, b in PAIRS:
@@ -121,7 +116,7 @@ def run_audit(run: RunConfig) -> tuple[dict[str, Any], int]:
             f"engine={run.engine.name} is not audited in this version; use engine=native"
         )
     model = load_model(run.model.path, run.model.preset, run.model.dtype, run.kernels, run.model.seed)
-    t = transforms_of(run)
+    t = Transforms.from_config(run.engine.sampler)
     contract = build_contract(model.ops, run.model.dtype, run.engine.sampler.precision, asdict(t))
     gen = torch.Generator().manual_seed(run.seed)
     prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=gen) for n in PROMPT_LENS]

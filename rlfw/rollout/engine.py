@@ -110,7 +110,7 @@ class NativeEngine:
             stop_ids = () if eos is None else (eos,)
         return cls(
             model,
-            Transforms(s.temperature, s.top_k, s.top_p, s.min_p),
+            Transforms.from_config(s),
             s.precision,
             engine_cfg.max_slots,
             engine_cfg.max_model_len,

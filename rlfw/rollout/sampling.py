@@ -15,9 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from rlfw.config import SamplerConfig
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -31,6 +35,11 @@ class Transforms:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+
+    @classmethod
+    def from_config(cls, sampler: SamplerConfig) -> Transforms:
+        """The transforms ``engine.sampler`` declares."""
+        return cls(sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p)
 
     @property
     def is_identity(self) -> bool:
