@@ -57,13 +57,33 @@ def step_report(
     report |= result.scalars
     report |= reward_metrics(samples, failed_rewards)
     report |= sync_metrics(batch, trainer_version, resyncs)
-    report |= {
-        "throughput/tokens_per_s": tokens / max(times.generate, 1e-9),
-        "throughput/samples_per_s": len(samples) / max(times.generate, 1e-9),
+    report |= time_metrics(tokens, len(samples), times.generate, times)
+    return report
+
+
+def time_metrics(tokens: int, samples: int, seconds: float, times: StepTimes) -> dict[str, float]:
+    """Phase timings, and throughput as ``tokens`` and ``samples`` per ``seconds``: the generate phase in
+    sync mode, the whole step in async mode (where generation overlaps training and the driver's wait
+    for it is no measure of the engines' speed)."""
+    return {
+        "throughput/tokens_per_s": tokens / max(seconds, 1e-9),
+        "throughput/samples_per_s": samples / max(seconds, 1e-9),
         "time/step": times.total,
         "time/generate": times.generate,
         "time/reward": times.reward,
         "time/train": times.train,
         "time/sync": times.sync,
     }
-    return report
+
+
+def trainer_numerics(batch: TrainBatch, trainer_logp: Tensor, trainer_version: int) -> dict[str, float]:
+    """``ratio/trainer_numerics/max_abs_log``: the worst |log q - log s^P| over tokens drawn at the
+    trainer's own version, where trainer and engine held the same weights and only kernel numerics can
+    separate them (exactly 0 under the execution contract). NaN on a step with no such token; on the
+    other tokens the trainer factor is lag plus numerics and the two cannot be told apart.
+
+    trainer_logp: [B, L-1], the trainer's pre-update log-probs (``TrainResult.trainer_logp``)."""
+    same = batch.mask & (batch.version == trainer_version)
+    gap = (trainer_logp - batch.prefill_logp)[same].abs()
+    gap = gap[torch.isfinite(gap)]
+    return {"ratio/trainer_numerics/max_abs_log": float(gap.max()) if gap.numel() else float("nan")}

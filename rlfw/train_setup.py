@@ -83,14 +83,34 @@ def optim_config(run: RunConfig) -> OptimConfig:
 
 
 def prefill_is_old_policy(run: RunConfig, contract: ExecutionContract) -> bool:
-    """The engine's prefill stream equals the trainer's own scoring forward bit for bit when the contract
-    claims it and the prefill ran at the weights the trainer holds (synchronous mode)."""
-    return run.sync.mode == "sync" and contract.claims_bitwise("trainer_score", "engine_prefill")
+    """Whether the PPO reference (the log-prob under the weights that generated each token) is the
+    engine's prefill stream rather than the trainer's own scoring forward.
+
+    Synchronous mode: the trainer holds the generating weights, so its scoring forward is the reference;
+    the prefill stream may stand in for it only when the contract claims the two bitwise equal.
+
+    Asynchronous mode: always the prefill stream. The trainer is up to ``sync.max_staleness`` versions
+    ahead, so its scoring forward would be the trainer before the batch (plain PPO), not the sampler's
+    weights that ``ppo_sampler`` and ``dlc`` clip against (design §3); the prefill stream is the only
+    record of those weights, and it is exact because the actors load weights only between requests, so a
+    sequence's tokens and its prefill share one version. Every correction that reads the lag ratio
+    (``ppo_sampler``, ``dlc``, ``icepop``'s clip) and the ``ess/lag`` that drives ``sync.policy=ess`` then
+    measure the trainer against the weights that produced the data. Without the contract that ratio also
+    carries the kernel numerics, which ``ratio/trainer_numerics/max_abs_log`` reports separately.
+    """
+    if run.sync.mode == "async":
+        return True
+    return contract.claims_bitwise("trainer_score", "engine_prefill")
 
 
 def step_spec(run: RunConfig, setup: Setup) -> StepSpec:
     reuse = prefill_is_old_policy(run, setup.contract)
-    if reuse:
+    if run.sync.mode == "async":
+        log.info(
+            "sync.mode=async: the PPO reference is the prefill stream at each sequence's own version (the "
+            "sampler's weights); the trainer's scoring forward is skipped"
+        )
+    elif reuse:
         log.info(
             "execution contract %s holds (trainer scoring == engine prefill, bitwise): the prefill stream "
             "is the old-policy log-prob; the trainer's extra scoring forward is skipped",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -32,6 +33,14 @@ def split_request(request: GenerationRequest, parts: int) -> list[GenerationRequ
         if ids:
             shards.append(GenerationRequest(ids, prompts, request.n, request.max_new_tokens, request.seed))
     return shards
+
+
+@dataclass
+class PendingGeneration:
+    """A request in flight: its shards and the actors' result references, in actor order."""
+
+    shards: list[GenerationRequest]
+    futures: list[Any]  # ObjectRefs of SampleBatch
 
 
 class RolloutGroup:
@@ -72,10 +81,18 @@ class RolloutGroup:
         raise AssertionError("unreachable")
 
     def generate(self, request: GenerationRequest) -> list[Sample]:
+        return self.collect(self.submit(request))
+
+    def submit(self, request: GenerationRequest) -> PendingGeneration:
+        """Start generating without waiting: each actor runs its shard at the version it holds now (an
+        update sent later queues behind the shard, since an actor serves one call at a time)."""
         shards = split_request(request, len(self.actors))
-        futures = [self.actors[i].generate.remote(s) for i, s in enumerate(shards)]
+        return PendingGeneration(shards, [self.actors[i].generate.remote(s) for i, s in enumerate(shards)])
+
+    def collect(self, pending: PendingGeneration) -> list[Sample]:
+        """Wait for a submitted request; a shard whose actor died is re-issued to its replacement."""
         samples: list[Sample] = []
-        for i, (shard, future) in enumerate(zip(shards, futures, strict=True)):
+        for i, (shard, future) in enumerate(zip(pending.shards, pending.futures, strict=True)):
             try:
                 packed = ray.get(future)
             except RayActorError:

@@ -48,7 +48,24 @@ TIME_GENERATE = "time/generate"
 TIME_TRAIN = "time/train"
 TIME_SYNC = "time/sync"
 
+SYNC_RESYNCED = "sync/resynced"
+SYNC_DROPPED_STALE = "sync/dropped_stale"
+SYNC_TRAINED_SAMPLES = "sync/trained_samples"
+SYNC_ENGINE_VERSION = "sync/engine_version"
+SYNC_ENGINE_RESTARTS = "sync/engine_restarts"
+TRAINER_NUMERICS_MAX_ABS_LOG = "ratio/trainer_numerics/max_abs_log"
+"""Async mode: the worst |log q - log s^P| on tokens drawn at the trainer's own version (numerics only)."""
+
 SYNC_KEYS: tuple[str, ...] = (SYNC_RESYNCS, SYNC_STALENESS_MEAN, SYNC_VERSION_GAP_MAX)
+ASYNC_KEYS: tuple[str, ...] = (
+    SYNC_RESYNCED,
+    SYNC_DROPPED_STALE,
+    SYNC_TRAINED_SAMPLES,
+    SYNC_ENGINE_VERSION,
+    TRAINER_NUMERICS_MAX_ABS_LOG,
+)
+"""What an async step adds: whether it pushed weights, the samples dropped as too stale and those trained
+on (generated = trained + dropped, less failed rewards), the engines' version, the numerics-only factor."""
 REQUIRED_RUN_KEYS: tuple[str, ...] = (REWARD_MEAN, LOSS_POLICY, GRAD_NORM, THROUGHPUT_TOKENS_PER_S, TIME_STEP)
 """The one key of each usual family (`reward/*`, `loss/*`, ...) that every step must carry."""
 
@@ -91,4 +108,4 @@ def required_keys(moe: bool) -> list[str]:
 def known_keys() -> list[str]:
     """Every key this module defines: the required keys of an MoE run plus the optional ones."""
     optional = [ratio_key(r, s) for r in RATIOS for s in CORRECTION_STATS]
-    return required_keys(moe=True) + optional + list(OPTIONAL_RUN_KEYS)
+    return required_keys(moe=True) + optional + list(OPTIONAL_RUN_KEYS) + [SYNC_ENGINE_RESTARTS, *ASYNC_KEYS]

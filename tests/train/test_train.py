@@ -158,7 +158,10 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(root: Path) -> None:
         (["trainer.zero_stage=7"], "trainer.zero_stage=7 is not allowed; choose one of: 0, 1, 2, 3"),
         (["model=hf", "model.path=/no/such/checkpoint"], "/no/such/checkpoint/config.json not found"),
         (["engine=vllm"], "engine=vllm: this version generates with engine=native"),
-        (["sync=async"], "sync.mode=async: this version trains sync.mode=sync"),
+        (
+            ["sync=async", "engine.in_flight=true"],
+            "sync.mode=async with engine.in_flight=true: this version loads weights between requests only",
+        ),
     ],
 )
 def test_config_errors_fail_fast_and_name_the_key(tmp_path: Path, overrides: list[str], message: str) -> None:

@@ -1,0 +1,201 @@
+"""``sync.mode=async``: the staleness bound, sample accounting, the resync rule and the PPO reference.
+
+The fast tests pin the pure bookkeeping (which samples are dropped, how far a pipelined batch can lag);
+the slow ones run ``rlfw train`` end to end and check the same claims on what the run logged. If one of
+these breaks, async training trains on data older than the user allowed, loses or double-counts samples,
+or pushes weights against its own rule.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlfw.config import RunConfig, SyncConfig
+from rlfw.distributed.async_schedule import SyncClock, pipeline_depth, split_stale
+from rlfw.train_setup import prefill_is_old_policy
+from rlfw.types import Sample
+from tests.train._run import SMALL, run_train
+
+
+def _sample(index: int, versions: list[int], final: int | None = None) -> Sample:
+    n = len(versions)
+    return Sample(
+        prompt_id=0,
+        sample_index=index,
+        prompt_P=torch.tensor([1, 2]),
+        response_T=torch.arange(n),
+        sampler_logp=torch.zeros(n),
+        decode_logp=torch.zeros(n),
+        prefill_logp=torch.zeros(n),
+        version_T=torch.tensor(versions, dtype=torch.int64),
+        kv_version_T=torch.tensor(versions, dtype=torch.int64),
+        topk_ids=torch.zeros(n, 1, dtype=torch.int64),
+        topk_logp=torch.zeros(n, 1),
+        finish_reason="length",
+        final_version=final if final is not None else (max(versions) if versions else 0),
+    )
+
+
+@pytest.mark.parametrize(
+    ("trainer_version", "max_staleness", "kept_indices"),
+    [
+        (5, 2, [1, 2, 3]),  # oldest allowed version 3: sample 0 (version 2) is one too old
+        (5, 0, [3]),  # only the trainer's own version survives
+        (5, 5, [0, 1, 2, 3]),
+        (8, 2, []),  # everything predates version 6
+    ],
+)
+def test_split_stale_drops_whole_samples_older_than_the_bound(
+    trainer_version: int, max_staleness: int, kept_indices: list[int]
+) -> None:
+    # sample 2 mixes versions 3 and 4: its oldest token (3) decides. Sample 3 is empty, finished at 5.
+    samples = [_sample(0, [2, 2]), _sample(1, [3]), _sample(2, [3, 4]), _sample(3, [], final=5)]
+    kept, dropped = split_stale(samples, trainer_version, max_staleness)
+    assert [s.sample_index for s in kept] == kept_indices
+    assert sorted(s.sample_index for s in kept + dropped) == [0, 1, 2, 3]  # each sample exactly once
+    assert not {id(s) for s in kept} & {id(s) for s in dropped}
+
+
+def test_pipeline_depth_never_exceeds_the_staleness_bound() -> None:
+    assert [pipeline_depth(k) for k in (0, 1, 2, 10)] == [0, 1, 1, 1]
+
+
+def _simulate_gaps(policy: str, interval: int, max_staleness: int, steps: int) -> tuple[list[int], int]:
+    """The async loop's version arithmetic without a cluster: generation for step s + depth is submitted
+    at the engines' version before step s trains; returns each step's version gap and the pushes."""
+    clock, depth = SyncClock(0, 0), pipeline_depth(max_staleness)
+    in_flight = [clock.engine_version] * depth
+    gaps = []
+    for _ in range(steps):
+        drawn_at = in_flight.pop(0) if in_flight else clock.engine_version
+        if depth:
+            in_flight.append(clock.engine_version)
+        gaps.append(clock.trainer_version - drawn_at)
+        clock.trained()
+        if clock.due(policy, interval, 0.5, max_staleness, lag_ess=1.0):
+            clock.pushed()
+    return gaps, clock.resyncs
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2, 3, 5])
+@pytest.mark.parametrize(("policy", "interval"), [("every_step", 1), ("interval", 2), ("interval", 100)])
+def test_pipelined_batches_reach_but_never_pass_the_staleness_bound(
+    policy: str, interval: int, max_staleness: int
+) -> None:
+    gaps, _ = _simulate_gaps(policy, interval, max_staleness, steps=20)
+    assert max(gaps) <= max_staleness
+    if policy == "interval" and interval == 100:  # only the hard bound pushes: the gap climbs to it
+        assert max(gaps) == max_staleness
+    if max_staleness >= 1 and policy == "every_step":  # one step in flight: one version behind
+        assert gaps[1:] == [1] * 19
+
+
+def test_interval_policy_pushes_every_interval_steps() -> None:
+    # interval 3 under a loose bound: pushes after steps 3, 6, 9, 12 -> 4 pushes in 12 steps
+    _, resyncs = _simulate_gaps("interval", 3, 10, steps=12)
+    assert resyncs == 4
+
+
+class _NoContract:
+    def claims_bitwise(self, a: str, b: str) -> bool:
+        return False
+
+
+class _Contract:
+    def claims_bitwise(self, a: str, b: str) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("mode", "contract", "expected"),
+    [("sync", _Contract(), True), ("sync", _NoContract(), False), ("async", _NoContract(), True)],
+)
+def test_the_ppo_reference_is_the_prefill_stream_whenever_the_trainer_is_ahead(
+    mode: str, contract: Any, expected: bool
+) -> None:
+    """Async: the trainer's scoring forward would be the trainer before the batch, not the weights that
+    generated the tokens, so the prefill stream (at the sequence's own version) is the reference."""
+    run = RunConfig(sync=SyncConfig(mode=mode))
+    assert prefill_is_old_policy(run, contract) is expected
+
+
+# -- end to end ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run root per module, so the cached warm start is built once."""
+    return tmp_path_factory.mktemp("async_runs")
+
+
+def _accounted(row: dict[str, Any]) -> bool:
+    """Every generated sample was trained on once or dropped as stale (the arithmetic task never fails a
+    reward, so GRPO keeps every group)."""
+    return row["sync/trained_samples"] + row["sync/dropped_stale"] == row["reward/samples"]
+
+
+@pytest.mark.slow
+def test_async_never_trains_on_tokens_older_than_max_staleness(root: Path) -> None:
+    """policy=interval with a huge interval: only the hard bound pushes weights, so the gap climbs to
+    max_staleness=2, a push happens there, and no step ever trains on an older token."""
+    run = run_train(
+        root,
+        "bounded",
+        *SMALL,
+        "trainer.steps=6",
+        "sync=async",
+        "sync.policy=interval",
+        "sync.interval=100",
+        "sync.max_staleness=2",
+    )
+    assert run.returncode == 0, run.log[-3000:]
+    rows = run.metrics()
+    assert len(rows) == 6
+    for row in rows:
+        assert row["sync/version_gap_max"] <= 2, row["step"]
+        assert _accounted(row), row["step"]
+    assert max(r["sync/version_gap_max"] for r in rows) == 2
+    assert [r["sync/resynced"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert rows[-1]["sync/resyncs"] == 3.0
+
+
+@pytest.mark.slow
+def test_ess_policy_resyncs_exactly_when_the_lag_ess_drops_below_the_threshold(root: Path) -> None:
+    run = run_train(
+        root,
+        "ess",
+        *SMALL,
+        "trainer.steps=6",
+        "trainer.lr=1e-2",
+        "sync=async",
+        "sync.policy=ess",
+        "sync.ess_threshold=0.9",
+        "sync.max_staleness=100",  # never the hard bound: every push is the ESS rule's
+    )
+    assert run.returncode == 0, run.log[-3000:]
+    rows = run.metrics()
+    for row in rows:
+        lag_ess = row["ess/lag"]
+        below = lag_ess is None or math.isnan(lag_ess) or lag_ess < 0.9
+        assert row["sync/resynced"] == float(below), (row["step"], lag_ess)
+        assert _accounted(row)
+    assert rows[0]["sync/resynced"] == 0.0  # step 0 trains on its own version: no lag
+    assert any(r["sync/resynced"] for r in rows), [r["ess/lag"] for r in rows]
+    assert rows[-1]["sync/resyncs"] == sum(r["sync/resynced"] for r in rows)
+
+
+@pytest.mark.slow
+def test_dlc_runs_end_to_end_in_async_mode(root: Path) -> None:
+    run = run_train(root, "dlc", *SMALL, "trainer.steps=3", "sync=async", "correction=dlc")
+    assert run.returncode == 0, run.log[-3000:]
+    rows = run.metrics()
+    assert len(rows) == 3
+    assert all("ratio/lag/clip_frac" in r and _accounted(r) for r in rows)
+    assert rows[1]["sync/version_gap_max"] == 1.0  # pipelined: trained one version after it was drawn
+    assert rows[0]["ratio/trainer_numerics/max_abs_log"] == 0.0  # same weights, invariant kernels
+    assert "PPO reference is the prefill stream" in run.log
