@@ -21,15 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ENV = {
-    "OMP_NUM_THREADS": "1",
-    "WANDB_MODE": "offline",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "DS_ACCELERATOR": "cpu",
-    "RLFW_PROGRESS": "0",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+from rlfw.distributed.cluster import SUBPROCESS_ENV
+
+ENV = SUBPROCESS_ENV
 MODES = {"sync": ["sync=sync"], "async": ["sync=async", "sync.policy=every_step"]}
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from rlfw.compose import load_config
+from rlfw.distributed.cluster import SUBPROCESS_ENV
 from rlfw.rollout.engine import NativeEngine
 from rlfw.rollout.sampling import Transforms
 from rlfw.tasks.arithmetic import Arithmetic
@@ -45,14 +46,7 @@ PHASES = ("time/generate", "time/reward", "time/train", "time/sync", "time/step"
 
 
 def ray_run(root: Path, steps: int, overrides: list[str]) -> dict[str, float]:
-    env = os.environ | {
-        "OMP_NUM_THREADS": "1",
-        "WANDB_MODE": "offline",
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "DS_ACCELERATOR": "cpu",
-        "RLFW_PROGRESS": "0",
-    }
+    env = os.environ | SUBPROCESS_ENV
     cmd = [
         str(Path(sys.executable).with_name("rlfw")),
         "train",

@@ -25,6 +25,9 @@ LOCAL_ENV = {
 }
 
 
+# What a local run started as a subprocess (tests, benchmarks) sets on top: W&B offline, no progress bars.
+SUBPROCESS_ENV = LOCAL_ENV | {"WANDB_MODE": "offline", "RLFW_PROGRESS": "0"}
+
 PASSED_ON = ("TORCH_EXTENSIONS_DIR", "WANDB_MODE", "HF_HUB_OFFLINE", "RLFW_HOME", "PYTHONPATH")
 
 

@@ -13,15 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-LOCAL_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "WANDB_MODE": "offline",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "DS_ACCELERATOR": "cpu",
-    "TOKENIZERS_PARALLELISM": "false",
-    "RLFW_PROGRESS": "0",
-}
+from rlfw.distributed.cluster import SUBPROCESS_ENV
+
 # A small, fast configuration of the embedded default for tests that check plumbing, not learning.
 SMALL = ["algo.prompts_per_step=4", "algo.group_size=4", "task.warm_start_steps=20", "logger.wandb=false"]
 
@@ -42,7 +35,7 @@ def command(root: Path, name: str, overrides: list[str]) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return os.environ | LOCAL_ENV
+    return os.environ | SUBPROCESS_ENV
 
 
 def run_train(root: Path, name: str, *overrides: str, timeout: float = 600) -> Run:
