@@ -38,7 +38,3 @@ class KVCache:
     def reset(self, slots: Tensor) -> None:
         """Free slot rows for new sequences. Stale K/V stays but is unreachable: lengths say what is valid."""
         self.lengths[slots] = 0
-
-    def truncate(self, slots: Tensor, lengths: Tensor) -> None:
-        """Keep only the first ``lengths`` positions of ``slots`` (to recompute the rest)."""
-        self.lengths[slots] = torch.minimum(self.lengths[slots], lengths)

@@ -14,7 +14,7 @@ kept); top-p ranks tokens by a stable descending sort (equal probabilities: lowe
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,13 +40,6 @@ class Transforms:
     def from_config(cls, sampler: SamplerConfig) -> Transforms:
         """The transforms ``engine.sampler`` declares."""
         return cls(sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p)
-
-    @property
-    def is_identity(self) -> bool:
-        return self.temperature == 1.0 and self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0
-
-    def describe(self) -> dict[str, object]:
-        return asdict(self) | {"order": "temperature,top_k,top_p,min_p", "dtype": "float32"}
 
 
 def _top_k(logits: Tensor, k: int) -> Tensor:
