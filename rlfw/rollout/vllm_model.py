@@ -1,0 +1,129 @@
+"""rlfw's shared model as an out-of-tree vLLM model (architecture ``RlfwForCausalLM``).
+
+vLLM keeps what it owns: the paged KV cache, the scheduler, its attention backend and its sampler.
+Everything else in the forward is the shared model itself: embeddings, every linear layer (through
+``ops.linear``), RMSNorm, RoPE, SwiGLU, the MoE router and the fixed-order expert combine, and the LM
+head, from the same :class:`~rlfw.model.Transformer` modules the trainer runs, on the op set the run
+selects (``kernels=invariant|default``). So the engine side of a vLLM run differs from the trainer only
+in attention (vLLM's kernel over its paged cache) and in vLLM's sampler; ``rlfw audit engine=vllm``
+localises what still differs.
+
+Registration: the ``vllm.general_plugins`` entry point ``rlfw`` calls :func:`register` in every process
+vLLM starts; a checkpoint selects the model with ``hf_overrides={"architectures": [ARCHITECTURE],
+"rlfw_kernels": "invariant"}`` (the engine does this for ``engine.vllm_model=rlfw``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlfw.model.config import args_from_hf_config
+from rlfw.model.layers import Attention as RlfwAttention
+from rlfw.model.layers import Block, ForwardContext
+from rlfw.model.transformer import Transformer, rope_tables
+
+ARCHITECTURE = "RlfwForCausalLM"
+KERNELS_KEY = "rlfw_kernels"  # hf_config attribute naming the op set
+
+
+def register() -> None:
+    """Make ``RlfwForCausalLM`` known to vLLM (idempotent; the entry point calls it)."""
+    from vllm import ModelRegistry
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:RlfwForCausalLM")
+
+
+def _hf_dict(hf_config: Any) -> dict[str, Any]:
+    d = dict(hf_config.to_dict())
+    # vLLM rewrites `architectures`; the shared model reads the real family from model_type.
+    d.pop("architectures", None)
+    return d
+
+
+class RlfwForCausalLM(Transformer):
+    """The shared :class:`~rlfw.model.Transformer` with vLLM's paged attention in each layer.
+
+    Parameters keep the HF checkpoint names (``model.layers.N...``), so checkpoints and the trainer's
+    published state dicts load with no renaming. vLLM hands the forward a flat batch of ``N`` tokens
+    from many sequences; the shared modules see it as one ``[1, N]`` row and vLLM's attention layer
+    (``model.layers.N.self_attn.attn``) keeps the sequences apart.
+    """
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        from vllm.model_executor.layers.attention import Attention as VllmAttention
+
+        hf = vllm_config.model_config.hf_config
+        super().__init__(args_from_hf_config(_hf_dict(hf)), kernels=getattr(hf, KERNELS_KEY, "invariant"))
+        a = self.args
+        for i, block in enumerate(self._blocks()):
+            block.self_attn.attn = VllmAttention(
+                a.num_heads,
+                a.head_dim,
+                a.head_dim**-0.5,
+                num_kv_heads=a.num_kv_heads,
+                cache_config=vllm_config.cache_config,
+                prefix=f"model.layers.{i}.self_attn.attn",
+            )
+
+    def _blocks(self) -> list[Block]:
+        return [b for b in self.model.layers if isinstance(b, Block)]
+
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: Tensor | None,
+        positions: Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: Tensor | None = None,
+    ) -> Tensor:
+        """Final-norm hidden states ``[N, hidden]`` for vLLM's flat batch of ``N`` tokens."""
+        if inputs_embeds is None:
+            assert input_ids is not None
+            inputs_embeds = self.embed_input_ids(input_ids)
+        pos = positions[None].to(torch.long)
+        cos, sin = rope_tables(pos, self.args.head_dim, self.args.rope_theta)
+        ctx = ForwardContext(self.ops, pos, cos, sin)
+        x = inputs_embeds[None]
+        for block in self._blocks():
+            x = x + self._attention(block.self_attn, block.input_layernorm(x, ctx), ctx)
+            x = x + block.mlp(block.post_attention_layernorm(x, ctx), ctx)
+        return self.model.norm(x, ctx)[0]
+
+    @staticmethod
+    def _attention(attn: RlfwAttention, x: Tensor, ctx: ForwardContext) -> Tensor:
+        """The shared projections, q/k norms and RoPE around vLLM's attention over its paged cache."""
+        n, ops = x.shape[1], ctx.ops
+        q = attn.q_proj(x, ctx).view(1, n, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(x, ctx).view(1, n, attn.num_kv_heads, attn.head_dim)
+        v = attn.v_proj(x, ctx)
+        if attn.q_norm is not None and attn.k_norm is not None:
+            q, k = attn.q_norm(q, ctx), attn.k_norm(k, ctx)
+        q, k = ops.rope(q, ctx.cos, ctx.sin), ops.rope(k, ctx.cos, ctx.sin)
+        out = attn.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1))
+        return attn.o_proj(out.view(1, n, -1), ctx)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        """The LM head through ``ops.linear``, as in the trainer's scoring forward."""
+        return self.ops.linear(hidden_states, self.output_weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the parameters of the same name; unknown names are refused."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name not in params:
+                raise KeyError(
+                    f"checkpoint tensor {name!r} has no parameter in {ARCHITECTURE}; "
+                    "is the checkpoint of a supported architecture (Qwen3, Llama, Qwen3-MoE)?"
+                )
+            with torch.no_grad():
+                params[name].copy_(tensor.to(params[name].dtype))
+            loaded.add(name)
+        return loaded

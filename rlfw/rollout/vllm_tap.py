@@ -1,0 +1,104 @@
+"""The decode stream inside vLLM: a logits processor that reads the raw logits at sampling time.
+
+vLLM returns one log-prob mode per engine; rlfw runs it in ``processed_logprobs`` mode, so what comes
+back with each token is the sampler's log-prob (mu) after vLLM's own temperature, top-k, top-p and
+min-p. The decode stream (s^D) needs the *raw* decode logits of the same step with rlfw's transforms
+replayed on them. :class:`DecodeTap` is a vLLM logits processor that sees every step's logits before
+vLLM's sampling transforms, replays :func:`~rlfw.rollout.sampling.process_logits` on each tracked row
+and keeps it until the sampled token is known (one step later, or when the request leaves the batch),
+then stores that token's log-prob. Memory: one processed row per running request.
+
+It runs in the process that runs the model, which the engine guarantees by running vLLM in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker). Requests opt in through
+``SamplingParams.extra_args[TAP_KEY] = (engine_id, request_key, kernels, transforms)``; results land in
+:data:`RECORDS` under the engine id, per request key and sample seed (children of ``n > 1`` differ only
+in their seed). All requests of one engine share its transforms and op set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from vllm.v1.sample.logits_processor import LogitsProcessor
+
+from rlfw.kernels import get_ops
+from rlfw.rollout.sampling import Transforms, process_logits
+
+TAP_KEY = "rlfw_tap"
+TRANSFORMS_KEY = "rlfw_transforms"
+
+
+@dataclass
+class Tracked:
+    """One sample's decode stream as the tap builds it."""
+
+    transforms: Transforms
+    kernels: str
+    output: list[int]  # vLLM's live list of this request's output tokens
+    logp: list[float] = field(default_factory=list)
+    pending: Tensor | None = None  # processed log-probs of the last step whose token is not known yet
+
+    def resolve(self) -> None:
+        """Store the log-prob of the token sampled from the pending row, once vLLM appended it."""
+        if self.pending is not None and len(self.output) > len(self.logp):
+            self.logp.append(float(self.pending[self.output[len(self.logp)]]))
+            self.pending = None
+
+
+# engine id -> (request key, seed) -> the sample's stream. Filled by the tap; the engine pops its
+# entries after a generate call and resolves the last token (no later step may come to do it).
+RECORDS: dict[str, dict[tuple[str, int], Tracked]] = {}
+
+
+class DecodeTap(LogitsProcessor):
+    """vLLM V1 logits processor recording the decode stream; never changes the logits."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows: dict[int, Tracked] = {}  # persistent-batch index -> tracked request
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        return None
+
+    def is_argmax_invariant(self) -> bool:
+        # False puts it in the group vLLM applies before temperature: it sees raw logits, also for
+        # greedy requests. It returns them unchanged.
+        return False
+
+    def update_state(self, batch_update: Any) -> None:
+        for t in self.rows.values():
+            t.resolve()
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, _prompt, output in batch_update.added:
+            self.rows.pop(index, None)
+            tag = (params.extra_args or {}).get(TAP_KEY)
+            if tag is not None:
+                engine, request_key, kernels, transforms = tag
+                t = Tracked(Transforms(**transforms), kernels, output)
+                RECORDS.setdefault(engine, {})[(request_key, int(params.seed))] = t
+                self.rows[index] = t
+        for a, b, direction in batch_update.moved:
+            ta, tb = self.rows.pop(a, None), self.rows.pop(b, None)
+            if ta is not None:
+                self.rows[b] = ta
+            if tb is not None and direction.name == "SWAP":
+                self.rows[a] = tb
+
+    def apply(self, logits: Tensor) -> Tensor:
+        live = [(i, t) for i, t in self.rows.items() if i < logits.shape[0]]
+        if live:
+            first = live[0][1]
+            ops = get_ops(first.kernels)
+            index = torch.tensor([i for i, _ in live], device=logits.device)
+            processed = process_logits(logits.index_select(0, index), first.transforms)
+            logp = ops.log_softmax(processed).cpu()
+            for row, (_, t) in enumerate(live):
+                t.resolve()
+                t.pending = logp[row]
+        return logits
