@@ -80,6 +80,7 @@ def input_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (a checkpoint, dataset, run folder or unsupported setting), reported in
     one line rather than as a traceback."""
     from rlfw.model import CheckpointError, ModelConfigError
+    from rlfw.rollout.vllm_engine import VllmCheckpointError, VllmUnavailableError
     from rlfw.tasks.gsm8k import DatasetError
     from rlfw.tokenizer import TokenizerError
 
@@ -91,6 +92,8 @@ def input_errors() -> tuple[type[BaseException], ...]:
         FileExistsError,
         FileNotFoundError,
         NotImplementedError,
+        VllmUnavailableError,
+        VllmCheckpointError,
     )
 
 

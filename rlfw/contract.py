@@ -131,19 +131,31 @@ def _case(ops: Ops, dtype: str, path: str, head: str) -> dict[str, Any]:
     }
 
 
+def _vllm_ops(ops: Ops, vllm_model: str) -> dict[str, Any]:
+    """What serves each op inside vLLM: the shared ops around vLLM's attention, or vLLM's own model."""
+    if vllm_model == "stock":
+        return {"all": "vllm_stock_model"}
+    return ops.describe() | {"attention": "vllm_paged_attention"}
+
+
 def build_contract(
     ops: Ops,
     param_dtype: str,
     sampler_precision: str,
     transforms: dict[str, Any],
     in_flight_keep_kv: bool = False,
+    engine: str = "native",
+    vllm_model: str = "rlfw",
 ) -> ExecutionContract:
-    """The contract of the native engine and the trainer sharing one model on ``ops``.
+    """The contract of the trainer on ``ops`` and an engine (``native`` or ``vllm``).
 
-    Bits are claimed equal between two cases when both run the invariant op set with identical specs;
-    the sampler joins that claim only at fp32 (it then reads the decode logits themselves). With
-    in-flight updates that keep the stale KV cache, prefill and decode knowingly differ after an update,
-    so that pair is declared unbounded.
+    Native engine: bits are claimed equal between two cases when both run the invariant op set with
+    identical specs; the sampler joins that claim only at fp32 (it then reads the decode logits
+    themselves). With in-flight updates that keep the stale KV cache, prefill and decode knowingly differ
+    after an update, so that pair is declared unbounded.
+
+    vLLM engine: its prefill and decode run vLLM's attention (or vLLM's whole stock model) and its
+    sampler applies vLLM's transforms, so every pair that touches vLLM declares a bound instead of bits.
     """
     head = "lm_head_full_precision"
     sampler_head = head if sampler_precision == "fp32" else f"lm_head_{sampler_precision}"
@@ -154,6 +166,11 @@ def build_contract(
         "engine_decode": _case(ops, param_dtype, "slotted_cache_one_token", head),
         "sampler": _case(ops, param_dtype, "slotted_cache_one_token", sampler_head),
     }
+    if engine == "vllm":
+        vllm_ops = _vllm_ops(ops, vllm_model)
+        cases["engine_prefill"] |= {"ops": vllm_ops, "path": "vllm_prompt_logprobs"}
+        cases["engine_decode"] |= {"ops": vllm_ops, "path": "vllm_paged_decode_raw_logits"}
+        cases["sampler"] |= {"ops": vllm_ops, "path": "vllm_processed_logprobs"}
     invariant = ops.name == "invariant"
     pairs: dict[str, dict[str, Any]] = {}
     for a, b in PAIRS:
@@ -161,23 +178,26 @@ def build_contract(
             pairs[pair_name(a, b)] = {"bitwise": False, "max_abs_dlogp": SAMPLER_BOUND[sampler_precision]}
         elif a == "engine_prefill" and in_flight_keep_kv:
             pairs[pair_name(a, b)] = {"bitwise": False, "max_abs_dlogp": None}
-        elif invariant:
+        elif invariant and (engine == "native" or a == "trainer_grad"):
             pairs[pair_name(a, b)] = {"bitwise": True, "max_abs_dlogp": 0.0}
         else:
             pairs[pair_name(a, b)] = {"bitwise": False, "max_abs_dlogp": DEFAULT_KERNEL_BOUND[param_dtype]}
+    obligations = ["kv_cache", "prefix_cache", "sampler_quantized_weights"] if engine == "native" else [
+        "prefix_cache"
+    ]
     return ExecutionContract(
         cases=cases,
         transforms=transforms,
         tie_rules={
             "router_topk": "lowest_index" if invariant else "unspecified",
-            "sampling_draw": "gumbel_argmax_lowest_index",
+            "sampling_draw": "gumbel_argmax_lowest_index" if engine == "native" else "vllm_sampler",
             "top_k_boundary": "keep_all_ties",
             "top_p_order": "stable_descending",
         },
         state_obligations={
-            "weight_sync": ["kv_cache", "prefix_cache", "sampler_quantized_weights"],
+            "weight_sync": obligations,
             "in_flight_update": ["kv_cache" if not in_flight_keep_kv else "none(kv_policy=keep)"],
         },
         pairs=pairs,
-        notes={"kernels": ops.name, "sampler_precision": sampler_precision},
+        notes={"kernels": ops.name, "sampler_precision": sampler_precision, "engine": engine},
     )

@@ -40,8 +40,6 @@ log = logging.getLogger("rlfw.train")
 
 def check_supported(run: RunConfig) -> None:
     """Refuse, before anything starts, what this version cannot run."""
-    if run.engine.name != "native":
-        raise NotImplementedError(f"engine={run.engine.name}: this version generates with engine=native")
     if run.sync.mode == "async" and run.engine.in_flight:
         raise NotImplementedError(
             "sync.mode=async with engine.in_flight=true: this version loads weights between requests "

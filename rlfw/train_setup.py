@@ -44,6 +44,10 @@ def tokenizer_of(run: RunConfig, vocab_size: int) -> PreTrainedTokenizerBase:
 def prepare(run: RunConfig, run_dir: Path) -> Setup:
     spec = ModelSpec(run.model.path, run.model.preset, run.model.dtype, run.kernels, run.model.seed)
     model = spec.build()  # also validates the checkpoint before any actor starts
+    if run.engine.name == "vllm":
+        from rlfw.rollout.vllm_engine import check_vllm_run
+
+        check_vllm_run(run.model.path, model.args.head_dim, run.engine.vllm.model)
     tok = tokenizer_of(run, model.args.vocab_size)
     task = build_task(run.task.name, run.task.data_path, run.task.max_operand)
     if run.task.warm_start_steps > 0:
@@ -61,7 +65,13 @@ def prepare(run: RunConfig, run_dir: Path) -> Setup:
     t = Transforms.from_config(run.engine.sampler)
     keep_kv = run.engine.in_flight and run.engine.kv_policy == "keep"
     contract = build_contract(
-        get_ops(run.kernels), run.model.dtype, run.engine.sampler.precision, asdict(t), keep_kv
+        get_ops(run.kernels),
+        run.model.dtype,
+        run.engine.sampler.precision,
+        asdict(t),
+        keep_kv,
+        run.engine.name,
+        run.engine.vllm.model,
     )
     (run_dir / "contract.json").write_text(json.dumps(contract.to_dict(), indent=2))
     stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []

@@ -16,7 +16,13 @@ import torch
 from torch import Tensor
 
 from rlfw.audit import localise as loc
-from rlfw.audit.streams import all_cases, pad_right, sample_continuations
+from rlfw.audit.streams import (
+    engine_cases,
+    pad_right,
+    sample_continuations,
+    sample_streams,
+    trainer_cases,
+)
 from rlfw.config import RunConfig
 from rlfw.contract import PAIRS, ExecutionContract, build_contract, pair_name
 from rlfw.model import Transformer, load_model, save_pretrained
@@ -111,49 +117,70 @@ def localisation(model: Transformer, seq: Tensor) -> dict[str, Any]:
 
 def run_audit(run: RunConfig) -> tuple[dict[str, Any], int]:
     """The ladder's JSON and the exit code: 1 when bits differ where the contract claims they match."""
-    if run.engine.name != "native":
-        raise NotImplementedError(
-            f"engine={run.engine.name} is not audited in this version; use engine=native"
-        )
     model = load_model(run.model.path, run.model.preset, run.model.dtype, run.kernels, run.model.seed)
     t = Transforms.from_config(run.engine.sampler)
-    contract = build_contract(model.ops, run.model.dtype, run.engine.sampler.precision, asdict(t))
+    contract = build_contract(
+        model.ops,
+        run.model.dtype,
+        run.engine.sampler.precision,
+        asdict(t),
+        engine=run.engine.name,
+        vllm_model=run.engine.vllm.model,
+    )
     gen = torch.Generator().manual_seed(run.seed)
     prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=gen) for n in PROMPT_LENS]
-    seqs = sample_continuations(model, prompts, list(RESPONSE_LENS), t, run.seed)
-    engine = NativeEngine(
-        model,
-        t,
-        run.engine.sampler.precision,
-        max_slots=3,
-        max_model_len=max(p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True)),
-        topk_logprobs=run.engine.sampler.topk_logprobs,
-        contract_hash=contract.hash,
-    )
-    cases = all_cases(model, engine, seqs, list(PROMPT_LENS), t)
-    pairs = compare_pairs(cases, contract)
-    invariance = batch_invariance(model, seqs)
-    claims_invariance = model.ops.name == "invariant"
-    holds = all(p["within_contract"] for p in pairs.values()) and (
-        invariance["bits_match"] or not claims_invariance
-    )
-    report: dict[str, Any] = {
-        "model": run.model.path or run.model.preset,
-        "architecture": model.args.model_type,
-        "dtype": run.model.dtype,
-        "kernels": run.kernels,
-        "engine": run.engine.name,
-        "sampler_precision": run.engine.sampler.precision,
-        "tokens_compared": int(sum(c.numel() for c in cases["trainer_score"])),
-        "pairs": pairs,
-        "batch_invariance": invariance | {"claimed": claims_invariance},
-        "contract": {
-            "hash": contract.hash,
-            "holds": holds,
-            "claims_bitwise": [k for k, v in contract.pairs.items() if v["bitwise"]],
-        },
-        "transformers": transformers_diff(model, run.model.path, seqs),
-    }
-    if not all(p["bits_match"] for p in pairs.values()) or not invariance["bits_match"]:
-        report["localise"] = localisation(model, seqs[-1])
+    vllm = None
+    if run.engine.name == "vllm":
+        from rlfw.audit.vllm_cases import VllmAudit
+
+        vllm = VllmAudit(run, model, contract.hash, max(PROMPT_LENS) + max(RESPONSE_LENS))
+        samples = vllm.sample(prompts, max(RESPONSE_LENS), run.seed)  # vLLM's own continuations
+        seqs = [s.tokens for s in samples]
+        engine = sample_streams(samples)
+    else:
+        seqs = sample_continuations(model, prompts, list(RESPONSE_LENS), t, run.seed)
+        native = NativeEngine(
+            model,
+            t,
+            run.engine.sampler.precision,
+            max_slots=3,
+            max_model_len=max(p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True)),
+            topk_logprobs=run.engine.sampler.topk_logprobs,
+            contract_hash=contract.hash,
+        )
+        engine = engine_cases(native, seqs, list(PROMPT_LENS))
+    try:
+        cases = trainer_cases(model, seqs, list(PROMPT_LENS), t) | engine
+        pairs = compare_pairs(cases, contract)
+        invariance = batch_invariance(model, seqs)
+        claims_invariance = model.ops.name == "invariant"
+        holds = all(p["within_contract"] for p in pairs.values()) and (
+            invariance["bits_match"] or not claims_invariance
+        )
+        report: dict[str, Any] = {
+            "model": run.model.path or run.model.preset,
+            "architecture": model.args.model_type,
+            "dtype": run.model.dtype,
+            "kernels": run.kernels,
+            "engine": run.engine.name,
+            "sampler_precision": run.engine.sampler.precision,
+            "tokens_compared": int(sum(c.numel() for c in cases["trainer_score"])),
+            "pairs": pairs,
+            "batch_invariance": invariance | {"claimed": claims_invariance},
+            "contract": {
+                "hash": contract.hash,
+                "holds": holds,
+                "claims_bitwise": [k for k, v in contract.pairs.items() if v["bitwise"]],
+            },
+            "transformers": transformers_diff(model, run.model.path, seqs),
+        }
+        if vllm is not None:
+            report["vllm"] = {"model": vllm.impl, "version": vllm.version}
+        if not all(p["bits_match"] for p in pairs.values()) or not invariance["bits_match"]:
+            report["localise"] = localisation(model, seqs[-1])
+            if vllm is not None:
+                report["localise"] |= vllm.localise(model, seqs[-1])
+    finally:
+        if vllm is not None:
+            vllm.close()
     return report, 0 if holds else 1

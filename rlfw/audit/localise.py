@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from rlfw.kernels import Ops
 from rlfw.model import Transformer
 
+ENGINE_ATTENTION = ".attn"  # submodule name of an engine's attention layer inside a shared-model block
 Runner = Callable[[Transformer], tuple[int, int]]  # runs the model, returns (row, number of leading pads)
 
 
@@ -72,6 +73,11 @@ def recording(model: Transformer) -> Iterator[_Recorder]:
             rec.stack.pop()
             if type(m).__name__ == "MoE" and isinstance(out, Tensor):
                 rec.record(f"{name}:output", out)
+            elif name.endswith(ENGINE_ATTENTION) and isinstance(out, Tensor):
+                # an engine's own attention layer inside the shared model (vLLM's paged attention):
+                # recorded under the name the shared attention op has, in its [1, T, H, D] layout
+                parent = name.removesuffix(ENGINE_ATTENTION)
+                rec.record(f"{parent}:attention", out.view(1, out.shape[0], -1, model.args.head_dim))
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     original = model.ops

@@ -14,7 +14,7 @@ from torch import Tensor
 from rlfw.model import Transformer
 from rlfw.rollout.engine import NativeEngine
 from rlfw.rollout.sampling import Transforms, draw, process_logits, step_seed
-from rlfw.types import GenerationRequest
+from rlfw.types import GenerationRequest, Sample
 
 
 def pad_right(seqs: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -59,6 +59,11 @@ def engine_cases(engine: NativeEngine, seqs: list[Tensor], prompt_lens: list[int
     samples = engine.generate(
         GenerationRequest(list(range(len(seqs))), prompts, n=1), forced_responses=forced
     )
+    return sample_streams(samples)
+
+
+def sample_streams(samples: list[Sample]) -> dict[str, list[Tensor]]:
+    """The engine's three cases, read from its samples."""
     return {
         "engine_prefill": [x.prefill_logp for x in samples],
         "engine_decode": [x.decode_logp for x in samples],
@@ -66,13 +71,13 @@ def engine_cases(engine: NativeEngine, seqs: list[Tensor], prompt_lens: list[int
     }
 
 
-def all_cases(
-    model: Transformer, engine: NativeEngine, seqs: list[Tensor], prompt_lens: list[int], t: Transforms
+def trainer_cases(
+    model: Transformer, seqs: list[Tensor], prompt_lens: list[int], t: Transforms
 ) -> dict[str, list[Tensor]]:
+    """The trainer's grad and scoring forwards over the full sequences."""
     return {
         "trainer_grad": full_sequence(model, seqs, prompt_lens, t, grad=True, cache=False),
         "trainer_score": full_sequence(model, seqs, prompt_lens, t, grad=False, cache=False),
-        **engine_cases(engine, seqs, prompt_lens),
     }
 
 

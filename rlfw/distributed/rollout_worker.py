@@ -1,8 +1,10 @@
-"""The engine actor of the rollout pool: one :class:`~rlfw.rollout.engine.NativeEngine` per actor."""
+"""The engine actor of the rollout pool: one engine per actor, the built-in one or vLLM (in-process)."""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from typing import Any
 
 import ray
 
@@ -19,7 +21,25 @@ class RolloutWorker:
     def __init__(
         self, spec: ModelSpec, engine_cfg: EngineConfig, stop_ids: list[int], contract_hash: str
     ) -> None:
-        self.engine = NativeEngine.from_config(spec.build(), engine_cfg, stop_ids, contract_hash)
+        self.engine: Any
+        if engine_cfg.name == "vllm":
+            from rlfw.rollout.vllm_engine import VllmEngine
+
+            self.engine = VllmEngine.from_config(
+                self._checkpoint(spec), engine_cfg, spec.dtype, spec.kernels, stop_ids, contract_hash
+            )
+        else:
+            self.engine = NativeEngine.from_config(spec.build(), engine_cfg, stop_ids, contract_hash)
+
+    def _checkpoint(self, spec: ModelSpec) -> str:
+        """vLLM loads from a folder: a preset model is written to a temporary one for this actor."""
+        if spec.path is not None:
+            return spec.path
+        from rlfw.model import save_pretrained
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="rlfw-vllm-")
+        save_pretrained(spec.build(), self._tmp.name)
+        return self._tmp.name
 
     def generate(self, request: GenerationRequest) -> SampleBatch:
         return SampleBatch.pack(self.engine.generate(request))

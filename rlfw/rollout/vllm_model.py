@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlfw.model.config import args_from_hf_config
+from rlfw.model.config import ModelArgs, args_from_hf_config
 from rlfw.model.layers import Attention as RlfwAttention
 from rlfw.model.layers import Block, ForwardContext
 from rlfw.model.transformer import Transformer, rope_tables
@@ -45,33 +45,49 @@ def _hf_dict(hf_config: Any) -> dict[str, Any]:
     return d
 
 
+class PagedAttention(RlfwAttention):
+    """The shared attention block (projections, q/k norms, RoPE) around vLLM's paged attention layer."""
+
+    def __init__(self, args: ModelArgs, layer: int, vllm_config: Any) -> None:
+        from vllm.model_executor.layers.attention import Attention as VllmAttention
+
+        super().__init__(args, layer)
+        self.attn = VllmAttention(
+            args.num_heads,
+            args.head_dim,
+            args.head_dim**-0.5,
+            num_kv_heads=args.num_kv_heads,
+            cache_config=vllm_config.cache_config,
+            prefix=f"model.layers.{layer}.self_attn.attn",
+        )
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        n, ops = x.shape[1], ctx.ops
+        q = self.q_proj(x, ctx).view(1, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x, ctx).view(1, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, ctx)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
+        q, k = ops.rope(q, ctx.cos, ctx.sin), ops.rope(k, ctx.cos, ctx.sin)
+        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1))
+        return self.o_proj(out.view(1, n, -1), ctx)
+
+
 class RlfwForCausalLM(Transformer):
     """The shared :class:`~rlfw.model.Transformer` with vLLM's paged attention in each layer.
 
     Parameters keep the HF checkpoint names (``model.layers.N...``), so checkpoints and the trainer's
     published state dicts load with no renaming. vLLM hands the forward a flat batch of ``N`` tokens
-    from many sequences; the shared modules see it as one ``[1, N]`` row and vLLM's attention layer
+    from many sequences; the shared blocks see it as one ``[1, N]`` row and vLLM's attention layer
     (``model.layers.N.self_attn.attn``) keeps the sequences apart.
     """
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        from vllm.model_executor.layers.attention import Attention as VllmAttention
-
         hf = vllm_config.model_config.hf_config
         super().__init__(args_from_hf_config(_hf_dict(hf)), kernels=getattr(hf, KERNELS_KEY, "invariant"))
-        a = self.args
-        for i, block in enumerate(self._blocks()):
-            block.self_attn.attn = VllmAttention(
-                a.num_heads,
-                a.head_dim,
-                a.head_dim**-0.5,
-                num_kv_heads=a.num_kv_heads,
-                cache_config=vllm_config.cache_config,
-                prefix=f"model.layers.{i}.self_attn.attn",
-            )
-
-    def _blocks(self) -> list[Block]:
-        return [b for b in self.model.layers if isinstance(b, Block)]
+        for i, block in enumerate(self.model.layers):
+            assert isinstance(block, Block)
+            block.self_attn = PagedAttention(self.args, i, vllm_config)
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         return self.model.embed_tokens(input_ids)
@@ -91,30 +107,22 @@ class RlfwForCausalLM(Transformer):
         cos, sin = rope_tables(pos, self.args.head_dim, self.args.rope_theta)
         ctx = ForwardContext(self.ops, pos, cos, sin)
         x = inputs_embeds[None]
-        for block in self._blocks():
-            x = x + self._attention(block.self_attn, block.input_layernorm(x, ctx), ctx)
-            x = x + block.mlp(block.post_attention_layernorm(x, ctx), ctx)
+        for block in self.model.layers:
+            x = block(x, ctx)
         return self.model.norm(x, ctx)[0]
-
-    @staticmethod
-    def _attention(attn: RlfwAttention, x: Tensor, ctx: ForwardContext) -> Tensor:
-        """The shared projections, q/k norms and RoPE around vLLM's attention over its paged cache."""
-        n, ops = x.shape[1], ctx.ops
-        q = attn.q_proj(x, ctx).view(1, n, attn.num_heads, attn.head_dim)
-        k = attn.k_proj(x, ctx).view(1, n, attn.num_kv_heads, attn.head_dim)
-        v = attn.v_proj(x, ctx)
-        if attn.q_norm is not None and attn.k_norm is not None:
-            q, k = attn.q_norm(q, ctx), attn.k_norm(k, ctx)
-        q, k = ops.rope(q, ctx.cos, ctx.sin), ops.rope(k, ctx.cos, ctx.sin)
-        out = attn.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1))
-        return attn.o_proj(out.view(1, n, -1), ctx)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """The LM head through ``ops.linear``, as in the trainer's scoring forward."""
         return self.ops.linear(hidden_states, self.output_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the parameters of the same name; unknown names are refused."""
+        """Load checkpoint tensors into the parameters of the same name; unknown names are refused.
+
+        Goes through each parameter's ``weight_loader`` (vLLM's protocol): an in-place reload swaps the
+        parameters for placeholders and counts what the loaders write before copying it into place.
+        """
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -123,7 +131,7 @@ class RlfwForCausalLM(Transformer):
                     f"checkpoint tensor {name!r} has no parameter in {ARCHITECTURE}; "
                     "is the checkpoint of a supported architecture (Qwen3, Llama, Qwen3-MoE)?"
                 )
-            with torch.no_grad():
-                params[name].copy_(tensor.to(params[name].dtype))
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
         return loaded
