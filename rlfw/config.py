@@ -79,14 +79,14 @@ class VllmSettings:
     """What ``engine=vllm`` passes to vLLM (ignored by the built-in engine)."""
 
     model: str = "rlfw"  # rlfw: the shared model registered out of tree | stock: vLLM's own implementation
-    kv_cache_gib: float = 1.0  # CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gib: int = 1  # CPU: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.5  # GPU: fraction of device memory vLLM may take (trainer shares none)
     enforce_eager: bool = True  # no CUDA graphs / torch.compile (eager is what CPU supports)
     batch_invariant: bool = True  # GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1); no-op on CPU
 
     def __post_init__(self) -> None:
         check_choice("engine.vllm.model", self.model, ("rlfw", "stock"))
-        check_range("engine.vllm.kv_cache_gib", self.kv_cache_gib, lo=0.01)
+        check_range("engine.vllm.kv_cache_gib", self.kv_cache_gib, lo=1)
         check_range("engine.vllm.gpu_memory_utilization", self.gpu_memory_utilization, lo=0.01, hi=1.0)
 
 

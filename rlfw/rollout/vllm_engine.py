@@ -157,7 +157,7 @@ class VllmEngine:
         require_vllm()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the decode tap reads the model's process
         settings = engine_cfg.vllm
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.kv_cache_gib:g}")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
         if settings.batch_invariant and torch.cuda.is_available():
             os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
         self.config, self.tensor_names = check_checkpoint(model_path)
@@ -167,6 +167,7 @@ class VllmEngine:
         from rlfw.rollout.vllm_tap import DecodeTap
 
         register()
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide; restored below
         overrides = {"architectures": [ARCHITECTURE], KERNELS_KEY: kernels} if settings.model == "rlfw" else {}
         s = engine_cfg.sampler
         self.transforms = Transforms.from_config(s)
@@ -191,6 +192,7 @@ class VllmEngine:
             logits_processors=[DecodeTap],
             hf_overrides=overrides,
         )
+        torch.set_num_threads = set_num_threads
 
     @classmethod
     def from_config(

