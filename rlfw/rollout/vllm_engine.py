@@ -65,6 +65,8 @@ def require_vllm() -> None:
     """Raise :class:`VllmUnavailableError` with the install command when vLLM is not importable."""
     if importlib.util.find_spec("vllm") is None:
         raise VllmUnavailableError(f"vLLM is not installed. {INSTALL_HINT}")
+    # vLLM logs to stdout by default; `rlfw audit` prints its JSON there. Set before vLLM configures logging.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm  # noqa: F401
     except Exception as e:  # a broken install (e.g. CUDA torchvision on a CPU machine) fails here
