@@ -182,9 +182,9 @@ def build_contract(
             pairs[pair_name(a, b)] = {"bitwise": True, "max_abs_dlogp": 0.0}
         else:
             pairs[pair_name(a, b)] = {"bitwise": False, "max_abs_dlogp": DEFAULT_KERNEL_BOUND[param_dtype]}
-    obligations = ["kv_cache", "prefix_cache", "sampler_quantized_weights"] if engine == "native" else [
-        "prefix_cache"
-    ]
+    obligations = (
+        ["kv_cache", "prefix_cache", "sampler_quantized_weights"] if engine == "native" else ["prefix_cache"]
+    )
     return ExecutionContract(
         cases=cases,
         transforms=transforms,

@@ -120,7 +120,15 @@ def sync_steps(d: Driver) -> None:
             samples, batch, result, run.correction, state.version, state.resyncs + 1, failed, times
         )
         state = d.state = RunState(step, state.version + 1, state.tag, state.resyncs + 1)
-        d.logger.log(step, metrics | {"sync/engine_restarts": float(d.rollout.restarts)})
+        engine_version = max(s.final_version for s in samples)  # as the engines recorded it
+        d.logger.log(
+            step,
+            metrics
+            | {
+                "sync/engine_restarts": float(d.rollout.restarts),
+                "sync/engine_version": float(engine_version),
+            },
+        )
         log.info("step %d reward %.3f time %.2fs", step, metrics["reward/mean"], times.total)
         if checkpoint_due(run, step):
             checkpoint(d.trainer, d.run_dir, state)

@@ -51,7 +51,9 @@ class VllmAudit:
             self._tmp = tempfile.TemporaryDirectory(prefix="rlfw-audit-")
             save_pretrained(model, self._tmp.name)
             path = self._tmp.name
-        cfg = dataclasses.replace(run.engine, max_model_len=max(max_len, run.engine.max_model_len), max_slots=8)
+        cfg = dataclasses.replace(
+            run.engine, max_model_len=max(max_len, run.engine.max_model_len), max_slots=8
+        )
         self.impl = cfg.vllm.model
         import vllm
 
@@ -88,4 +90,3 @@ class VllmAudit:
         self.engine.shutdown()
         if self._tmp is not None:
             self._tmp.cleanup()
-

@@ -97,7 +97,9 @@ def check_checkpoint(path: str) -> tuple[dict[str, Any], list[str]]:
             with safe_open(str(f), framework="pt") as handle:
                 names.extend(handle.keys())
         except Exception as e:
-            raise VllmCheckpointError(f"{f} is not a readable safetensors file ({e}); re-save the checkpoint")
+            raise VllmCheckpointError(
+                f"{f} is not a readable safetensors file ({e}); re-save the checkpoint"
+            ) from e
     check_head_dim(args.head_dim)
     return config, names
 
@@ -170,7 +172,9 @@ class VllmEngine:
 
         register()
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide; restored below
-        overrides = {"architectures": [ARCHITECTURE], KERNELS_KEY: kernels} if settings.model == "rlfw" else {}
+        overrides = (
+            {"architectures": [ARCHITECTURE], KERNELS_KEY: kernels} if settings.model == "rlfw" else {}
+        )
         s = engine_cfg.sampler
         self.transforms = Transforms.from_config(s)
         self.kernels, self.model_impl = kernels, settings.model
@@ -211,7 +215,12 @@ class VllmEngine:
             eos = json.loads((Path(model_path) / "config.json").read_text()).get("eos_token_id")
             stop_ids = () if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
-            model_path, engine_cfg, dtype=dtype, kernels=kernels, stop_ids=stop_ids, contract_hash=contract_hash
+            model_path,
+            engine_cfg,
+            dtype=dtype,
+            kernels=kernels,
+            stop_ids=stop_ids,
+            contract_hash=contract_hash,
         )
 
     @property
@@ -243,7 +252,9 @@ class VllmEngine:
                 )
             prompts.append(TokensPrompt(prompt_token_ids=prompt.tolist()))
             params.append(
-                self._params(request.n, min(request.max_new_tokens, room), self._seed(seed, pid), f"{tag}:{pid}")
+                self._params(
+                    request.n, min(request.max_new_tokens, room), self._seed(seed, pid), f"{tag}:{pid}"
+                )
             )
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         records = RECORDS.setdefault(self.id, {})
@@ -328,7 +339,9 @@ class VllmEngine:
             rows = out.prompt_logprobs[p:]
             tokens = s.response_T.tolist()
             if plain:
-                s.prefill_logp = torch.tensor([row[tok].logprob for row, tok in zip(rows, tokens, strict=True)])
+                s.prefill_logp = torch.tensor(
+                    [row[tok].logprob for row, tok in zip(rows, tokens, strict=True)]
+                )
             else:
                 s.prefill_logp = self._replayed(rows, s.response_T)
 
@@ -344,7 +357,9 @@ class VllmEngine:
 
     # -- weights ---------------------------------------------------------------------------------------
 
-    def update_weights(self, weights: WeightUpdate | Mapping[str, Tensor], version: int | None = None) -> None:
+    def update_weights(
+        self, weights: WeightUpdate | Mapping[str, Tensor], version: int | None = None
+    ) -> None:
         """Reload weights in place between requests, move to ``version`` and drop the prefix cache."""
         if isinstance(weights, WeightUpdate):
             if weights.contract_hash != self.contract_hash:

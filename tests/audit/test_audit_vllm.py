@@ -22,7 +22,12 @@ from rlfw.config import EngineConfig  # noqa: E402
 from rlfw.rollout.vllm_engine import VllmEngine  # noqa: E402
 from rlfw.types import GenerationRequest  # noqa: E402
 
-PAIRS = ["trainer_grad~trainer_score", "trainer_score~engine_prefill", "engine_prefill~engine_decode", "engine_decode~sampler"]
+PAIRS = [
+    "trainer_grad~trainer_score",
+    "trainer_score~engine_prefill",
+    "engine_prefill~engine_decode",
+    "engine_decode~sampler",
+]
 
 
 def audit(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, dict]:
@@ -53,9 +58,15 @@ def test_dense_checkpoint_every_stream_and_direct_comparison(
     cfg = EngineConfig(name="vllm", max_slots=8, max_model_len=256)
     cfg.vllm.model = impl
     engine = VllmEngine(str(dense_ckpt), cfg, kernels="invariant")
-    samples = engine.generate(GenerationRequest([0, 1, 2, 3], prompts, n=1, max_new_tokens=max(RESPONSE_LENS), seed=0))
+    samples = engine.generate(
+        GenerationRequest([0, 1, 2, 3], prompts, n=1, max_new_tokens=max(RESPONSE_LENS), seed=0)
+    )
     engine.shutdown()
-    worst = {"trainer_score~engine_prefill": 0.0, "engine_prefill~engine_decode": 0.0, "engine_decode~sampler": 0.0}
+    worst = {
+        "trainer_score~engine_prefill": 0.0,
+        "engine_prefill~engine_decode": 0.0,
+        "engine_decode~sampler": 0.0,
+    }
     with torch.no_grad():
         for s in samples:
             p = s.prompt_P.shape[0]
@@ -73,7 +84,9 @@ def test_dense_checkpoint_every_stream_and_direct_comparison(
         assert report["pairs"][name]["max_abs_dlogp"] == pytest.approx(value, abs=2e-7), name
 
 
-def test_moe_checkpoint_and_localisation_inside_vllm(moe_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_moe_checkpoint_and_localisation_inside_vllm(
+    moe_ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, report = audit(capsys, "model=hf", f"model.path={moe_ckpt}")
     assert code == 0 and report["architecture"] == "qwen3_moe"
     assert all(report["pairs"][name]["within_contract"] for name in PAIRS)
@@ -107,6 +120,8 @@ def test_missing_vllm_names_the_install_command(monkeypatch: pytest.MonkeyPatch)
     from rlfw.rollout import vllm_engine
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
     with pytest.raises(vllm_engine.VllmUnavailableError, match="scripts/test.sh|pip install"):
         vllm_engine.require_vllm()

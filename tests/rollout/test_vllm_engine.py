@@ -68,7 +68,14 @@ def trainer_logp(model: Transformer, s: Sample, t: Transforms) -> Tensor:
 def test_records_streams_and_groups(engine: VllmEngine, ckpts: dict[str, tuple[Transformer, Path]]) -> None:
     req = GenerationRequest([11, 12], prompts([9, 5]), n=3, max_new_tokens=12, seed=4)
     samples = engine.generate(req)
-    assert [(s.prompt_id, s.sample_index) for s in samples] == [(11, 0), (11, 1), (11, 2), (12, 0), (12, 1), (12, 2)]
+    assert [(s.prompt_id, s.sample_index) for s in samples] == [
+        (11, 0),
+        (11, 1),
+        (11, 2),
+        (12, 0),
+        (12, 1),
+        (12, 2),
+    ]
     t = Transforms.from_config(SAMPLER)
     for s in samples:
         n = s.response_T.shape[0]
