@@ -14,6 +14,7 @@ ROOT = project_root()
 NEEDS = {"model/hf.yaml": ["model.path=/ckpt"], "task/gsm8k.yaml": ["task.data_path=/data.jsonl"]}
 RECIPE_NEEDS = {
     "qwen3_1p7b_grpo_dlc": ["model.path=/ckpt", "task.data_path=/d.jsonl"],
+    "qwen3_1p7b_grpo_vllm": ["model.path=/ckpt", "task.data_path=/d.jsonl"],
     "qwen3_30b_a3b_r3": ["model.path=/ckpt", "task.data_path=/d.jsonl"],
 }
 OPTIONS = sorted(str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").glob("*/*.yaml"))
