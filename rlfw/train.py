@@ -40,10 +40,9 @@ log = logging.getLogger("rlfw.train")
 
 def check_supported(run: RunConfig) -> None:
     """Refuse, before anything starts, what this version cannot run."""
-    if run.sync.mode == "async" and run.engine.in_flight:
-        raise NotImplementedError(
-            "sync.mode=async with engine.in_flight=true: this version loads weights between requests "
-            "only; set engine.in_flight=false"
+    if run.sync.mode == "sync" and run.engine.in_flight:
+        log.warning(
+            "engine.in_flight=true has no effect with sync.mode=sync: weights move only between steps"
         )
 
 

@@ -3,10 +3,19 @@
 One step of generation stays in flight: step s + 1's prompts go to the engines, at whatever version they
 hold, before the trainer takes step s's batch, so generation overlaps training. Weights move to the engines
 only when the resync rule says so (``sync.policy``, with ``sync.max_staleness`` as a hard bound), and a
-sample drawn more than ``max_staleness`` versions before the trainer's is dropped before training and
-counted. Every sequence is generated at one version (the actors load weights only between requests), so
-its prefill stream is the log-prob under the weights that generated it: the PPO reference of the lag
-ratio (see :func:`rlfw.train_setup.prefill_is_old_policy`).
+sample with a token drawn more than ``max_staleness`` versions before the trainer's is dropped before
+training and counted.
+
+Where a pushed version lands depends on ``engine.in_flight``:
+
+* ``false``: after the generation in flight. Every sequence is generated at one version, so its prefill
+  stream is the log-prob under the weights that generated it: the PPO reference of the lag ratio (see
+  :func:`rlfw.train_setup.prefill_is_old_policy`).
+* ``true`` (PipelineRL style): inside it, between two decode steps; unfinished sequences continue at the
+  new version (``kv_policy=keep`` on their stale KV cache, ``recompute`` on a re-prefilled one). Tokens of
+  one sequence then carry different versions, and the decode stream, drawn at each token's version, is
+  the reference (:func:`rlfw.train_setup.decode_is_old_policy`). ``sync/in_flight_samples`` counts the
+  samples that span an update; the decode factor shows what a kept stale cache cost.
 """
 
 from __future__ import annotations
@@ -17,13 +26,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from rlfw.distributed.async_schedule import SyncClock, pipeline_depth, split_stale
+from rlfw.distributed.async_schedule import SyncClock, pipeline_depth, spans_versions, split_stale
 from rlfw.distributed.groups import PendingGeneration
 from rlfw.logging.progress import progress
 from rlfw.run_state import RunState
 from rlfw.tasks.base import Problem
 from rlfw.train_phases import Driver, checkpoint, checkpoint_due, make_batch, request_for, reward, trainable
-from rlfw.train_report import StepTimes, step_report, time_metrics, trainer_numerics
+from rlfw.train_report import StepTimes, decode_kv_staleness, step_report, time_metrics, trainer_numerics
 
 log = logging.getLogger("rlfw.train")
 
@@ -44,8 +53,8 @@ def submit(d: Driver, step: int) -> InFlight:
 
 
 def resync(d: Driver, clock: SyncClock, lag_ess: float) -> bool:
-    """Push the trainer's current version to the engines if the resync rule says so. The push queues
-    behind the generation in flight, which finishes at the version it started with."""
+    """Push the trainer's current version to the engines if the resync rule says so. The push lands after
+    the generation in flight, or inside it with ``engine.in_flight=true``."""
     s = d.run.sync
     if not clock.due(s.policy, s.interval, s.ess_threshold, s.max_staleness, lag_ess):
         return False
@@ -81,6 +90,7 @@ def async_steps(d: Driver) -> None:
             samples, batch, result, run.correction, clock.trainer_version, clock.resyncs, failed, times
         )
         metrics |= trainer_numerics(batch, result.trainer_logp, clock.trainer_version)
+        metrics |= decode_kv_staleness(samples)
         clock.trained()
         resynced = resync(d, clock, float(metrics["ess/lag"]))
         t4 = time.perf_counter()
@@ -91,6 +101,7 @@ def async_steps(d: Driver) -> None:
             "sync/resyncs": float(clock.resyncs),
             "sync/resynced": float(resynced),
             "sync/dropped_stale": float(len(dropped)),
+            "sync/in_flight_samples": float(sum(spans_versions(s) for s in samples)),
             "sync/trained_samples": float(len(batch)),
             "sync/engine_version": float(clock.engine_version),
             "sync/engine_restarts": float(d.rollout.restarts),

@@ -76,6 +76,22 @@ def time_metrics(tokens: int, samples: int, seconds: float, times: StepTimes) ->
     }
 
 
+def decode_kv_staleness(samples: list[Sample]) -> dict[str, float]:
+    """``ratio/decode_kv/max_abs_log``: the worst |log s^P - log s^D| over tokens drawn at their sequence's
+    final version, where prefill and decode held the same weights and only the KV cache the decode step
+    read can separate them: after an in-flight update, stale K/V under ``kv_policy=keep`` (non-zero), a
+    recomputed cache under ``recompute`` (exactly 0 under the execution contract). On the other tokens the
+    decode factor also carries the weight change inside the sequence. NaN when no token qualifies."""
+    gaps = [
+        (s.prefill_logp - s.decode_logp)[s.version_T == s.final_version].abs()
+        for s in samples
+        if len(s.response_T)
+    ]
+    gap = torch.cat(gaps) if gaps else torch.zeros(0)
+    gap = gap[torch.isfinite(gap)]
+    return {"ratio/decode_kv/max_abs_log": float(gap.max()) if gap.numel() else float("nan")}
+
+
 def trainer_numerics(batch: TrainBatch, trainer_logp: Tensor, trainer_version: int) -> dict[str, float]:
     """``ratio/trainer_numerics/max_abs_log``: the worst |log q - log s^P| over tokens drawn at the
     trainer's own version, where trainer and engine held the same weights and only kernel numerics can

@@ -113,9 +113,24 @@ def prefill_is_old_policy(run: RunConfig, contract: ExecutionContract) -> bool:
     return contract.claims_bitwise("trainer_score", "engine_prefill")
 
 
+def decode_is_old_policy(run: RunConfig) -> bool:
+    """In-flight updates (``sync.mode=async engine.in_flight=true``): one sequence holds tokens of several
+    versions, and its prefill stream is at the last of them. The decode stream is computed when each token
+    is drawn, at that token's version: the reference for every token, and with ``kv_policy=keep`` it
+    includes what the stale KV cache did to the distribution the token was drawn from."""
+    return run.sync.mode == "async" and run.engine.in_flight
+
+
 def step_spec(run: RunConfig, setup: Setup) -> StepSpec:
     reuse = prefill_is_old_policy(run, setup.contract)
-    if run.sync.mode == "async":
+    decode_old = decode_is_old_policy(run)
+    if decode_old:
+        log.info(
+            "sync.mode=async with in-flight updates: the PPO reference is the decode stream, at each "
+            "token's own version (kv_policy=%s)",
+            run.engine.kv_policy,
+        )
+    elif run.sync.mode == "async":
         log.info(
             "sync.mode=async: the PPO reference is the prefill stream at each sequence's own version (the "
             "sampler's weights); the trainer's scoring forward is skipped"
@@ -134,5 +149,11 @@ def step_spec(run: RunConfig, setup: Setup) -> StepSpec:
         )
     ppo = PPOSpec(run.algo.gamma, run.algo.lam, run.algo.value_coef) if run.algo.name == "ppo" else None
     return StepSpec(
-        setup.transforms, run.correction, run.trainer.micro_batch_size, reuse, run.model.router_replay, ppo
+        setup.transforms,
+        run.correction,
+        run.trainer.micro_batch_size,
+        reuse,
+        run.model.router_replay,
+        ppo,
+        decode_old,
     )

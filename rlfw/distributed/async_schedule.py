@@ -31,6 +31,11 @@ def oldest_version(sample: Sample) -> int:
     return int(sample.version_T.min())
 
 
+def spans_versions(sample: Sample) -> bool:
+    """Whether a weight update landed while ``sample`` was being generated (its tokens' versions differ)."""
+    return sample.version_T.numel() > 0 and int(sample.version_T.min()) != int(sample.version_T.max())
+
+
 def split_stale(
     samples: list[Sample], trainer_version: int, max_staleness: int
 ) -> tuple[list[Sample], list[Sample]]:

@@ -13,7 +13,7 @@ from ray.exceptions import RayActorError
 
 from rlfw.config import EngineConfig
 from rlfw.distributed.cluster import Pool, free_port
-from rlfw.distributed.rollout_worker import RolloutActor
+from rlfw.distributed.rollout_worker import ACTOR_CONCURRENCY, RolloutActor
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.trainer_worker import TrainerActor
 from rlfw.trainer.deepspeed_backend import OptimConfig
@@ -41,6 +41,7 @@ class PendingGeneration:
 
     shards: list[GenerationRequest]
     futures: list[Any]  # ObjectRefs of SampleBatch
+    actors: list[Any]  # the actor handle each shard went to
 
 
 class RolloutGroup:
@@ -58,7 +59,8 @@ class RolloutGroup:
         self.restarts = 0
 
     def _spawn(self, index: int) -> Any:
-        return RolloutActor.options(**self.pool.options(index)).remote(*self.args)
+        options = self.pool.options(index) | {"max_concurrency": ACTOR_CONCURRENCY}
+        return RolloutActor.options(**options).remote(*self.args)
 
     def _replace(self, index: int) -> None:
         log.warning("rollout actor %d died; restarting it from the last published version", index)
@@ -84,10 +86,12 @@ class RolloutGroup:
         return self.collect(self.submit(request))
 
     def submit(self, request: GenerationRequest) -> PendingGeneration:
-        """Start generating without waiting: each actor runs its shard at the version it holds now (an
-        update sent later queues behind the shard, since an actor serves one call at a time)."""
+        """Start generating without waiting: each actor runs its shard at the version it holds now. An
+        update sent later waits for the shard, or lands inside it with ``engine.in_flight=true``."""
         shards = split_request(request, len(self.actors))
-        return PendingGeneration(shards, [self.actors[i].generate.remote(s) for i, s in enumerate(shards)])
+        actors = list(self.actors[: len(shards)])
+        futures = [a.generate.remote(s) for a, s in zip(actors, shards, strict=True)]
+        return PendingGeneration(shards, futures, actors)
 
     def collect(self, pending: PendingGeneration) -> list[Sample]:
         """Wait for a submitted request; a shard whose actor died is re-issued to its replacement."""
@@ -96,7 +100,8 @@ class RolloutGroup:
             try:
                 packed = ray.get(future)
             except RayActorError:
-                self._replace(i)
+                if self.actors[i] is pending.actors[i]:  # not already replaced by another call
+                    self._replace(i)
                 packed = self._call(i, "generate", shard)
             samples += packed.unpack()
         return sorted(samples, key=lambda s: (s.prompt_id, s.sample_index))

@@ -1,9 +1,24 @@
-"""The engine actor of the rollout pool: one engine per actor, the built-in one or vLLM (in-process)."""
+"""The engine actor of the rollout pool: one engine per actor, the built-in one or vLLM (in-process).
+
+The actor is threaded (two calls at a time) so that a weight update can arrive while a generation runs.
+What happens to it then is the engine's ``in_flight`` setting:
+
+* ``engine.in_flight=false``: the update waits until the running generation has finished (every sequence
+  is generated at one version);
+* ``engine.in_flight=true`` (built-in engine): the update is handed to the generation loop, which loads it
+  between two decode steps; unfinished sequences continue at the new version on their old KV cache
+  (``kv_policy=keep``) or on a recomputed one (``recompute``), and every token records its version. The
+  call returns once the weights are loaded.
+
+A lock around the engine makes the two calls take turns: the generation thread owns the engine while it
+runs; the update thread touches it only when no generation runs, or through the hand-over slot.
+"""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from typing import Any
 
 import ray
@@ -30,6 +45,12 @@ class RolloutWorker:
             )
         else:
             self.engine = NativeEngine.from_config(spec.build(), engine_cfg, stop_ids, contract_hash)
+        self.in_flight = engine_cfg.in_flight
+        self._turn = threading.Condition()  # guards the two fields below and every engine call
+        self._generating = False
+        self._handed: WeightUpdate | None = None  # an update for the generation loop to load
+        self._handed_error: BaseException | None = None  # what loading it raised, for the caller
+        self.in_flight_updates = 0
 
     def _checkpoint(self, spec: ModelSpec) -> str:
         """vLLM loads from a folder: a preset model is written to a temporary one for this actor."""
@@ -42,12 +63,55 @@ class RolloutWorker:
         return self._tmp.name
 
     def generate(self, request: GenerationRequest) -> SampleBatch:
-        return SampleBatch.pack(self.engine.generate(request))
+        with self._turn:
+            self._turn.wait_for(lambda: not self._generating)
+            self._generating = True
+        try:
+            if self.in_flight:
+                samples = self.engine.generate(request, between_steps=self._load_handed)
+            else:
+                samples = self.engine.generate(request)
+        finally:
+            with self._turn:
+                self._generating = False
+                self._turn.notify_all()
+        return SampleBatch.pack(samples)
+
+    def _load_handed(self, engine: NativeEngine) -> None:
+        """Between two decode steps: load an update the update thread handed over."""
+        with self._turn:
+            if self._handed is None:
+                return
+            try:
+                engine.update_weights(self._handed)
+                self.in_flight_updates += 1
+            except Exception as e:  # refused (contract, version): the caller raises it, generation goes on
+                self._handed_error = e
+            self._handed = None
+            self._turn.notify_all()
 
     def update_weights(self, update: WeightUpdate) -> int:
-        """Load a published version (the engine checks its contract hash); returns the new version."""
-        self.engine.update_weights(update)
-        return self.engine.version
+        """Load a published version (the engine checks its contract hash); returns the new version.
+
+        A version the engine already holds is not loaded again (a replacement actor is loaded with the
+        latest version before a retried call delivers the same one)."""
+        with self._turn:
+            if update.version == self.engine.version:
+                return int(self.engine.version)
+            self._turn.wait_for(lambda: self._handed is None)
+            if self._generating and self.in_flight:
+                self._handed = update
+                self._turn.wait_for(lambda: self._handed is None or not self._generating)
+                if self._handed is None:
+                    error, self._handed_error = self._handed_error, None
+                    if error is not None:
+                        raise error
+                    return self.engine.version
+                self._handed = None  # the generation ended before its next step: load it here
+            else:
+                self._turn.wait_for(lambda: not self._generating)
+            self.engine.update_weights(update)
+            return self.engine.version
 
     def join_weight_group(self, host: str, port: int, rank: int, world: int) -> None:
         self.weights = WeightGroup(host, port, rank, world)
@@ -60,10 +124,15 @@ class RolloutWorker:
         )
 
     def version(self) -> int:
-        return self.engine.version
+        return int(self.engine.version)
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this actor: weight updates loaded inside a running generation."""
+        return {"in_flight_updates": self.in_flight_updates}
 
     def pid(self) -> int:
         return os.getpid()
 
 
 RolloutActor = ray.remote(RolloutWorker)
+ACTOR_CONCURRENCY = 2  # threaded: a weight update may arrive while a generation runs (module docstring)

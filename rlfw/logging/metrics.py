@@ -53,6 +53,10 @@ SYNC_DROPPED_STALE = "sync/dropped_stale"
 SYNC_TRAINED_SAMPLES = "sync/trained_samples"
 SYNC_ENGINE_VERSION = "sync/engine_version"
 SYNC_ENGINE_RESTARTS = "sync/engine_restarts"
+SYNC_IN_FLIGHT_SAMPLES = "sync/in_flight_samples"
+"""Async mode: samples a weight update landed in the middle of (engine.in_flight=true)."""
+DECODE_KV_MAX_ABS_LOG = "ratio/decode_kv/max_abs_log"
+"""Async mode: the decode factor on tokens drawn at their sequence's final version (KV staleness only)."""
 TRAINER_NUMERICS_MAX_ABS_LOG = "ratio/trainer_numerics/max_abs_log"
 """Async mode: the worst |log q - log s^P| on tokens drawn at the trainer's own version (numerics only)."""
 
@@ -62,10 +66,13 @@ ASYNC_KEYS: tuple[str, ...] = (
     SYNC_DROPPED_STALE,
     SYNC_TRAINED_SAMPLES,
     SYNC_ENGINE_VERSION,
+    SYNC_IN_FLIGHT_SAMPLES,
+    DECODE_KV_MAX_ABS_LOG,
     TRAINER_NUMERICS_MAX_ABS_LOG,
 )
 """What an async step adds: whether it pushed weights, the samples dropped as too stale and those trained
-on (generated = trained + dropped, less failed rewards), the engines' version, the numerics-only factor."""
+on (generated = trained + dropped, less failed rewards), the engines' version, the samples an in-flight
+update landed in, the numerics-only factor."""
 REQUIRED_RUN_KEYS: tuple[str, ...] = (REWARD_MEAN, LOSS_POLICY, GRAD_NORM, THROUGHPUT_TOKENS_PER_S, TIME_STEP)
 """The one key of each usual family (`reward/*`, `loss/*`, ...) that every step must carry."""
 

@@ -60,9 +60,14 @@ class StepSpec:
     prefill_as_old: bool  # the contract holds: take the prefill stream as the old-policy log-prob
     router_replay: bool
     ppo: PPOSpec | None = None  # None: GRPO (advantages come with the batch)
+    decode_as_old: bool = (
+        False  # in-flight updates: the decode stream (each token's own version) is the reference
+    )
 
 
 def old_policy_logp(backend: Backend, model: Transformer, batch: TrainBatch, spec: StepSpec) -> Tensor:
+    if spec.decode_as_old:
+        return batch.decode_logp
     if spec.prefill_as_old:
         return batch.prefill_logp
     return scoring_logp(backend.module, model, batch, spec.transforms, spec.micro_batch_size)

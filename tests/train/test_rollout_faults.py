@@ -64,3 +64,24 @@ def test_killed_actor_is_replaced_and_no_sample_is_lost_or_doubled(local_ray: No
     for a, b in zip(samples, reference, strict=True):
         assert torch.equal(a.response_T, b.response_T)
         assert torch.equal(a.sampler_logp.view(torch.int32), b.sampler_logp.view(torch.int32))
+
+
+@pytest.mark.slow
+def test_actor_killed_while_an_async_generation_is_in_flight(local_ray: None) -> None:
+    """The async pattern: a generation is submitted, the trainer publishes while it runs, and an actor
+    dies in between. Every sample still comes back exactly once, each generated at one version."""
+    engine_cfg = EngineConfig(max_slots=8, max_model_len=64)
+    group = RolloutGroup(make_pool(ROLLOUT, 2), SPEC, engine_cfg, stop_ids=[], contract_hash="")
+    group.load(ray.put(_perturbed_update(version=1)))
+    pending = group.submit(_request())
+    killer = threading.Timer(0.3, group.kill, args=(0,))
+    killer.start()
+    group.load(ray.put(_perturbed_update(version=2)))  # publish while the generation is in flight
+    killer.join()
+    samples = group.collect(pending)
+
+    assert group.restarts == 1
+    assert sorted(map(_key, samples)) == [(p, i) for p in range(12) for i in range(4)]
+    for s in samples:
+        assert int(s.version_T.min()) == int(s.version_T.max()) == s.final_version in (1, 2)
+    assert [ray.get(a.version.remote()) for a in group.actors] == [2, 2]

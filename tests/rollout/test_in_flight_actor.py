@@ -1,0 +1,69 @@
+"""The rollout actor's hand-over of a weight update that arrives while a generation runs (no Ray: the
+worker class is driven from two threads, as Ray's threaded actor does)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rlfw.config import EngineConfig
+from rlfw.distributed.rollout_worker import RolloutWorker
+from rlfw.distributed.specs import ModelSpec
+from rlfw.types import GenerationRequest, SampleBatch, WeightUpdate
+
+SPEC = ModelSpec(path=None, preset="tiny_dense", dtype="float32", kernels="invariant", seed=0)
+
+
+def _update(version: int, contract_hash: str = "h") -> WeightUpdate:
+    model = SPEC.build()
+    gen = torch.Generator().manual_seed(version)
+    state = {k: v.detach() + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.named_parameters()}
+    return WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state)
+
+
+def _run_with_update(worker: RolloutWorker, update: WeightUpdate) -> tuple[list, int]:
+    request = GenerationRequest(list(range(4)), [torch.arange(4, 9)] * 4, n=2, max_new_tokens=40, seed=1)
+    out: dict[str, SampleBatch] = {}
+    thread = threading.Thread(target=lambda: out.setdefault("batch", worker.generate(request)))
+    thread.start()
+    while not worker._generating:  # wait until the generation owns the engine
+        pass
+    try:
+        version = worker.update_weights(update)
+    finally:
+        thread.join()
+    return out["batch"].unpack(), version
+
+
+@pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
+def test_in_flight_update_lands_between_decode_steps(kv_policy: str) -> None:
+    cfg = EngineConfig(max_slots=8, max_model_len=64, in_flight=True, kv_policy=kv_policy)
+    worker = RolloutWorker(SPEC, cfg, stop_ids=[], contract_hash="h")
+    samples, version = _run_with_update(worker, _update(1))
+    assert version == 1 and worker.in_flight_updates == 1
+    for s in samples:  # every sequence started at 0 and finished at 1: the update landed inside it
+        assert s.version_T[0] == 0 and s.version_T[-1] == 1 and s.final_version == 1
+        kv_old = s.kv_version_T[s.version_T == 1]
+        assert bool((kv_old == 0).all()) if kv_policy == "keep" else bool((kv_old == 1).all())
+        # tokens drawn at the final version: prefill and decode hold the same weights, so only the
+        # KV cache can separate them; recompute makes them bit-identical, keep does not
+        at_final = s.version_T == 1
+        gap = (s.prefill_logp - s.decode_logp)[at_final].abs().max()
+        assert (gap == 0) if kv_policy == "recompute" else (gap > 0)
+
+
+def test_without_in_flight_the_update_waits_for_the_generation() -> None:
+    worker = RolloutWorker(SPEC, EngineConfig(max_slots=8, max_model_len=64), stop_ids=[], contract_hash="h")
+    samples, version = _run_with_update(worker, _update(1))
+    assert version == 1 and worker.in_flight_updates == 0
+    assert all(int(s.version_T.max()) == 0 and s.final_version == 0 for s in samples)
+
+
+def test_a_refused_in_flight_update_raises_to_its_caller_and_generation_goes_on() -> None:
+    cfg = EngineConfig(max_slots=8, max_model_len=64, in_flight=True)
+    worker = RolloutWorker(SPEC, cfg, stop_ids=[], contract_hash="h")
+    with pytest.raises(Exception, match="contract"):
+        _run_with_update(worker, _update(1, contract_hash="other"))
+    assert worker.engine.version == 0 and worker.engine.finished()
