@@ -199,3 +199,36 @@ def test_dlc_runs_end_to_end_in_async_mode(root: Path) -> None:
     assert rows[1]["sync/version_gap_max"] == 1.0  # pipelined: trained one version after it was drawn
     assert rows[0]["ratio/trainer_numerics/max_abs_log"] == 0.0  # same weights, invariant kernels
     assert "PPO reference is the prefill stream" in run.log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
+def test_in_flight_updates_end_to_end(root: Path, kv_policy: str) -> None:
+    """engine.in_flight=true: pushes land inside the generation in flight (long responses make sure of
+    it), samples carry two versions, and on tokens drawn at their sequence's final version the decode
+    factor is the KV cache alone: exactly 0 recomputed, non-zero kept stale."""
+    run = run_train(
+        root,
+        f"in_flight_{kv_policy}",
+        *SMALL,
+        "algo.prompts_per_step=8",
+        "algo.group_size=8",
+        "engine.max_new_tokens=48",
+        "engine.max_model_len=96",
+        "trainer.steps=6",
+        "sync=async",
+        "sync.policy=every_step",
+        "engine.in_flight=true",
+        f"engine.kv_policy={kv_policy}",
+    )
+    assert run.returncode == 0, run.log[-3000:]
+    rows = run.metrics()
+    spanning = [r for r in rows if r["sync/in_flight_samples"] > 0]
+    assert spanning, "no update landed inside a generation; the test would prove nothing"
+    for row in rows:
+        assert _accounted(row) and row["sync/version_gap_max"] <= 4
+        if kv_policy == "recompute":
+            assert row["ratio/decode_kv/max_abs_log"] == 0.0, row["step"]
+    if kv_policy == "keep":
+        assert all(r["ratio/decode_kv/max_abs_log"] > 0.0 for r in spanning)
+    assert "PPO reference is the decode stream" in run.log

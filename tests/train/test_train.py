@@ -180,10 +180,6 @@ def test_vllm_engine_trains_a_few_steps(root: Path) -> None:
             ["engine=vllm", "engine.vllm.model=stock"],
             "engine.vllm.model=stock cannot take weight updates on CPU",
         ),
-        (
-            ["sync=async", "engine.in_flight=true"],
-            "sync.mode=async with engine.in_flight=true: this version loads weights between requests only",
-        ),
     ],
 )
 def test_config_errors_fail_fast_and_name_the_key(tmp_path: Path, overrides: list[str], message: str) -> None:
