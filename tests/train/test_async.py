@@ -8,7 +8,9 @@ or pushes weights against its own rule.
 
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -164,21 +166,27 @@ def test_async_never_trains_on_tokens_older_than_max_staleness(root: Path) -> No
     assert rows[-1]["sync/resyncs"] == 3.0
 
 
-@pytest.mark.slow
-def test_ess_policy_resyncs_exactly_when_the_lag_ess_drops_below_the_threshold(root: Path) -> None:
+@functools.cache
+def _ess_run(root: Path, lr: str) -> list[dict[str, Any]]:
+    """One async run under policy=ess per learning rate (shared by the tests below)."""
     run = run_train(
         root,
-        "ess",
+        f"ess_lr{lr}",
         *SMALL,
         "trainer.steps=6",
-        "trainer.lr=1e-2",
+        f"trainer.lr={lr}",
         "sync=async",
         "sync.policy=ess",
         "sync.ess_threshold=0.9",
         "sync.max_staleness=100",  # never the hard bound: every push is the ESS rule's
     )
     assert run.returncode == 0, run.log[-3000:]
-    rows = run.metrics()
+    return run.metrics()
+
+
+@pytest.mark.slow
+def test_ess_policy_resyncs_exactly_when_the_lag_ess_drops_below_the_threshold(root: Path) -> None:
+    rows = _ess_run(root, "1e-2")
     for row in rows:
         lag_ess = row["ess/lag"]
         below = lag_ess is None or math.isnan(lag_ess) or lag_ess < 0.9
@@ -187,6 +195,18 @@ def test_ess_policy_resyncs_exactly_when_the_lag_ess_drops_below_the_threshold(r
     assert rows[0]["sync/resynced"] == 0.0  # step 0 trains on its own version: no lag
     assert any(r["sync/resynced"] for r in rows), [r["ess/lag"] for r in rows]
     assert rows[-1]["sync/resyncs"] == sum(r["sync/resynced"] for r in rows)
+
+
+@pytest.mark.slow
+def test_a_larger_learning_rate_triggers_the_first_resync_earlier(root: Path) -> None:
+    """The policy moves further per step with a larger learning rate, so the lag ratio's ESS falls below
+    the threshold after fewer steps."""
+
+    def first_resync(rows: list[dict[str, Any]]) -> int:
+        return next((r["step"] for r in rows if r["sync/resynced"]), len(rows))
+
+    fast, slow = first_resync(_ess_run(root, "1e-2")), first_resync(_ess_run(root, "1e-4"))
+    assert fast < slow, (fast, slow)
 
 
 @pytest.mark.slow
@@ -232,3 +252,18 @@ def test_in_flight_updates_end_to_end(root: Path, kv_policy: str) -> None:
     if kv_policy == "keep":
         assert all(r["ratio/decode_kv/max_abs_log"] > 0.0 for r in spanning)
     assert "PPO reference is the decode stream" in run.log
+
+
+@pytest.mark.slow
+def test_async_with_the_discrepancy_lag_correction_learns(root: Path) -> None:
+    """The embedded default in async mode with one switch, correction=dlc (ESS-triggered resync by
+    default): reward rises over 60 steps. (Without a correction the same async run degrades:
+    bench/RESULTS.md.)"""
+    run = run_train(
+        root, "async_dlc_learns", "sync=async", "correction=dlc", "logger.wandb=false", timeout=900
+    )
+    assert run.returncode == 0, run.log[-3000:]
+    rewards = [row["reward/mean"] for row in run.metrics()]
+    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    assert len(rewards) == 60
+    assert last > first + 0.04, (first, last)
