@@ -27,9 +27,8 @@ ENV = SUBPROCESS_ENV
 MODES = {"sync": ["sync=sync"], "async": ["sync=async", "sync.policy=every_step"]}
 
 
-def run_mode(root: Path, name: str, steps: int, overrides: list[str]) -> dict[str, float]:
-    """One ``rlfw train``; returns samples/s, the median step and the median time the driver waited for
-    generation (after the first step)."""
+def train_rows(root: Path, name: str, steps: int, overrides: list[str]) -> list[dict[str, float]]:
+    """One ``rlfw train`` (W&B off); returns its metrics.jsonl rows."""
     cmd = [
         str(Path(sys.executable).with_name("rlfw")),
         "train",
@@ -40,7 +39,13 @@ def run_mode(root: Path, name: str, steps: int, overrides: list[str]) -> dict[st
         *overrides,
     ]
     subprocess.run(cmd, env=os.environ | ENV, check=True, capture_output=True)
-    rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()][1:]
+    return [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_mode(root: Path, name: str, steps: int, overrides: list[str]) -> dict[str, float]:
+    """One ``rlfw train``; returns samples/s, the median step and the median time the driver waited for
+    generation (after the first step)."""
+    rows = train_rows(root, name, steps, overrides)[1:]
     return {
         "samples_per_s": sum(r["reward/samples"] for r in rows) / sum(r["time/step"] for r in rows),
         "step_s": statistics.median(r["time/step"] for r in rows),
