@@ -16,9 +16,13 @@ class RunState:
     """Where a run stands after a completed step; written only once that step's checkpoint is complete."""
 
     step: int  # last completed step
-    version: int  # weight version the engines hold after that step
+    version: int  # the trainer's weight version after that step
     tag: str  # trainer checkpoint tag under checkpoints/
     resyncs: int  # weight pushes so far
+    # Async mode only (None in sync mode, where the engines always hold `version`):
+    engine_version: int | None = None  # the version the engines hold after that step's resync
+    pending_version: int | None = None  # the version the next step's generation was submitted at
+    steps_since_sync: int = 0  # optimizer steps since the last push
 
 
 def make_run_dir(root: str, name: str | None, resume: bool) -> Path:

@@ -68,7 +68,8 @@ def train(run: RunConfig) -> int:
     if run.resume:
         state = read_state(run_dir)
         trainer.load(str(run_dir / CHECKPOINTS), state.tag)
-        sync.publish(trainer, rollout, state.version, setup.contract.hash)
+        if state.pending_version is None:  # async runs put their engines back themselves
+            sync.publish(trainer, rollout, state.version, setup.contract.hash)
     logger = RunLogger(
         run_dir,
         run.logger.wandb,
@@ -88,7 +89,7 @@ def train(run: RunConfig) -> int:
     except KeyboardInterrupt:
         log.warning("interrupted: saving a checkpoint at step %d before exiting", driver.state.step)
         if driver.state.step >= 0:
-            checkpoint(trainer, run_dir, driver.state)
+            checkpoint(driver)
         code = 130
     finally:
         logger.close()
@@ -130,4 +131,4 @@ def sync_steps(d: Driver) -> None:
         )
         log.info("step %d reward %.3f time %.2fs", step, metrics["reward/mean"], times.total)
         if checkpoint_due(run, step):
-            checkpoint(d.trainer, d.run_dir, state)
+            checkpoint(d)

@@ -5,6 +5,7 @@ loop drives."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,8 @@ class Driver:
     logger: RunLogger
     run_dir: Path
     state: RunState
+    # Called with the checkpoint's tag folder before the run state points at it (async: engine weights).
+    on_checkpoint: Callable[[Path, RunState], None] | None = None
 
 
 def request_for(problems: list[Problem], setup: Setup, run: RunConfig, step: int) -> GenerationRequest:
@@ -89,13 +92,17 @@ def decode_response(setup: Setup, sample: Sample) -> str:
     return str(setup.tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def checkpoint(trainer: TrainerGroup, run_dir: Path, state: RunState) -> None:
-    """Trainer state first (DeepSpeed writes a tag folder), then the run state that points at it: a crash
-    between the two leaves the previous run state, and the previous checkpoint, in force."""
+def checkpoint(d: Driver) -> None:
+    """Trainer state first (DeepSpeed writes a tag folder), then what else the loop saves with it, then
+    the run state that points at it: a crash before the last write leaves the previous run state, and
+    the previous checkpoint, in force."""
+    state = d.state
     tag = f"step{state.step:06d}"
-    trainer.save(str(run_dir / CHECKPOINTS), tag)
+    d.trainer.save(str(d.run_dir / CHECKPOINTS), tag)
+    if d.on_checkpoint is not None:
+        d.on_checkpoint(d.run_dir / CHECKPOINTS / tag, state)
     state.tag = tag
-    write_state(run_dir, state)
+    write_state(d.run_dir, state)
 
 
 def checkpoint_due(run: RunConfig, step: int) -> bool:

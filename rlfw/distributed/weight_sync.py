@@ -14,7 +14,7 @@ Ordering contract (every transport):
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import ray
 
@@ -23,9 +23,10 @@ from rlfw.distributed.weight_group import TensorMeta
 
 
 class WeightSync(Protocol):
-    def publish(
-        self, trainer: TrainerGroup, rollout: RolloutGroup, version: int, contract_hash: str
-    ) -> None: ...
+    def publish(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int, contract_hash: str) -> Any:
+        """Deliver version ``version`` to every engine; returns the object-store reference of the
+        :class:`~rlfw.types.WeightUpdate` when the transport keeps one there, else None."""
+        ...
 
 
 class ObjectStoreSync:
@@ -34,9 +35,10 @@ class ObjectStoreSync:
 
     name = "object_store"
 
-    def publish(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int, contract_hash: str) -> None:
+    def publish(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int, contract_hash: str) -> Any:
         ref = trainer.publish(version, contract_hash)  # steps 1-2
         rollout.load(ref)  # steps 3-4 (dead engines are replaced and loaded with this version)
+        return ref
 
 
 class CollectiveSync:
@@ -59,7 +61,7 @@ class CollectiveSync:
         ray.get(joins)
         self.members = rollout.restarts
 
-    def publish(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int, contract_hash: str) -> None:
+    def publish(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int, contract_hash: str) -> Any:
         if self.members != rollout.restarts:
             self._form_group(trainer, rollout)
         sends = [a.send_weights.remote() for a in trainer.actors]  # steps 1-2
@@ -67,6 +69,7 @@ class CollectiveSync:
         ray.get(sends + receives)  # steps 3-4
         # A replacement engine is not in the group yet: it gets this version through the object store.
         rollout.fetch_latest = lambda: trainer.publish(version, contract_hash)
+        return None
 
 
 TRANSPORTS: dict[str, type] = {"object_store": ObjectStoreSync, "collective": CollectiveSync}

@@ -9,7 +9,9 @@ or pushes weights against its own rule.
 from __future__ import annotations
 
 import functools
+import json
 import math
+import signal
 import statistics
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from rlfw.config import RunConfig, SyncConfig
 from rlfw.distributed.async_schedule import SyncClock, pipeline_depth, split_stale
 from rlfw.train_setup import prefill_is_old_policy
 from rlfw.types import Sample
-from tests.train._run import SMALL, run_train
+from tests.train._run import SMALL, comparable, run_train, run_until, state_step_at_least
 
 
 def _sample(index: int, versions: list[int], final: int | None = None) -> Sample:
@@ -267,3 +269,23 @@ def test_async_with_the_discrepancy_lag_correction_learns(root: Path) -> None:
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
     assert len(rewards) == 60
     assert last > first + 0.04, (first, last)
+
+
+@pytest.mark.slow
+def test_resume_of_an_async_run_after_kill_gives_the_same_metrics(root: Path) -> None:
+    """policy=interval 2: at a checkpoint the engines are behind the trainer and the next step was
+    submitted at an older version still; the resumed run puts both back and continues identically."""
+    args = [*SMALL, "trainer.steps=7", "trainer.checkpoint_every=3", "sync=async"]
+    args += ["sync.policy=interval", "sync.interval=2", "sync.max_staleness=4"]
+    whole = run_train(root, "async_whole", *args)
+    assert whole.returncode == 0, whole.log[-3000:]
+    killed = run_until(root, "async_killed", args, state_step_at_least(2), signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    state = json.loads((killed.run_dir / "run_state.json").read_text())
+    assert state["pending_version"] < state["version"]  # the case that needs the saved engine weights
+    resumed = run_train(root, "async_killed", *args, "resume=true")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    after = resumed.metrics()
+    assert [r["step"] for r in after] == list(range(7))
+    for a, b in zip(whole.metrics()[3:], after[3:], strict=True):
+        assert comparable(a) == comparable(b), a["step"]

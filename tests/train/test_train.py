@@ -14,9 +14,15 @@ import pytest
 
 from rlfw.logging.metrics import required_keys
 from rlfw.logging.wandb_reader import read_offline_run
-from tests.train._run import SMALL, Run, run_train, run_until, state_step_at_least, steps_logged_at_least
-
-SCALAR_KEYS_THAT_VARY = ("time/", "throughput/")
+from tests.train._run import (
+    SMALL,
+    Run,
+    comparable,
+    run_train,
+    run_until,
+    state_step_at_least,
+    steps_logged_at_least,
+)
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +128,6 @@ def test_ppo_runs_with_a_critic(root: Path) -> None:
     assert all(_factor(r, "trainer") == 0.0 for r in rows)
 
 
-def _comparable(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in row.items() if not k.startswith(SCALAR_KEYS_THAT_VARY)}
-
-
 @pytest.mark.slow
 def test_resume_after_kill_gives_the_same_metrics(root: Path) -> None:
     args = [*SMALL, "trainer.steps=6", "trainer.checkpoint_every=2"]
@@ -138,7 +140,7 @@ def test_resume_after_kill_gives_the_same_metrics(root: Path) -> None:
     after = resumed.metrics()
     assert [r["step"] for r in after] == list(range(6))
     for a, b in zip(whole.metrics()[4:], after[4:], strict=True):
-        assert _comparable(a) == _comparable(b)
+        assert comparable(a) == comparable(b)
 
 
 @pytest.mark.slow
