@@ -68,6 +68,15 @@ SYNC_SECTION = Section(
         Panel("resyncs", (m.SYNC_RESYNCS,)),
         Panel("staleness (mean versions)", (m.SYNC_STALENESS_MEAN,)),
         Panel("max version gap", (m.SYNC_VERSION_GAP_MAX,)),
+        Panel("resync events and engine version (async)", (m.SYNC_RESYNCED, m.SYNC_ENGINE_VERSION)),
+        Panel(
+            "samples dropped as stale / spanning an update (async)",
+            (m.SYNC_DROPPED_STALE, m.SYNC_IN_FLIGHT_SAMPLES),
+        ),
+        Panel(
+            "numerics only: trainer, decode KV (async)",
+            (m.TRAINER_NUMERICS_MAX_ABS_LOG, m.DECODE_KV_MAX_ABS_LOG),
+        ),
         Panel("router replay mismatch (MoE)", (m.ROUTER_REPLAY_MISMATCH_FRAC,)),
     ),
 )
