@@ -186,3 +186,13 @@ def test_bad_checkpoints_and_head_sizes_are_named(tmp_path: Path) -> None:
     save_pretrained(small, tmp_path / "hd16")
     with pytest.raises(VllmCheckpointError, match="head_dim=16 is not supported by vLLM's CPU attention"):
         VllmEngine(str(tmp_path / "hd16"), engine_cfg())
+
+
+def test_the_entry_point_registers_the_shared_model_in_vllm() -> None:
+    from importlib.metadata import entry_points
+
+    from vllm import ModelRegistry
+
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "rlfw"]
+    plugin.load()()  # what vLLM does in every process it starts
+    assert "RlfwForCausalLM" in ModelRegistry.get_supported_archs()
