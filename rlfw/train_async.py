@@ -33,7 +33,6 @@ from safetensors.torch import load_file, save_file
 
 from rlfw.distributed.async_schedule import SyncClock, pipeline_depth, spans_versions, split_stale
 from rlfw.distributed.groups import PendingGeneration
-from rlfw.distributed.weight_sync import CollectiveSync
 from rlfw.logging.progress import progress
 from rlfw.run_state import RunState
 from rlfw.tasks.base import Problem
@@ -76,8 +75,7 @@ class EngineWeights:
     A resumed run must generate its next step at the version that step was submitted at, which the
     trainer has moved past, and then hold the version the engines held: a checkpoint writes both next to
     the trainer state (``engine-vN.safetensors``; the trainer's own version and version 0, the initial
-    checkpoint, need no copy). The collective transport keeps no copy in the object store; its resumed
-    runs regenerate the next step at the trainer's version instead (logged).
+    checkpoint, need no copy). Both transports leave each pushed version in the object store.
     """
 
     def __init__(self, d: Driver) -> None:
@@ -143,13 +141,6 @@ def start(d: Driver, weights: EngineWeights, steps: range, depth: int) -> tuple[
         clock = SyncClock(st.version, st.version, resyncs=st.resyncs)
         return clock, deque(submit(d, s, clock) for s in steps[:depth])
     folder = d.run_dir / CHECKPOINTS / st.tag
-    if isinstance(d.sync, CollectiveSync):
-        log.warning(
-            "resume with sync.transport=collective: the next step regenerates at the trainer's version"
-        )
-        weights.publish(st.version)
-        clock = SyncClock(st.version, st.version, resyncs=st.resyncs)
-        return clock, deque(submit(d, s, clock) for s in steps[:depth])
     clock = SyncClock(st.version, st.pending_version, st.steps_since_sync, st.resyncs)
     weights.load(folder, st.pending_version, st.version)
     queue = deque(submit(d, s, clock) for s in steps[:depth])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +53,6 @@ class RolloutGroup:
         self.pool, self.args = pool, (spec, engine_cfg, stop_ids, contract_hash)
         self.actors: list[Any] = [self._spawn(i) for i in range(pool.size)]  # actor handles
         self.latest: Any = None  # ObjectRef of the last WeightUpdate, loaded into replacements
-        # Transports that do not keep the last version in the object store put it there on demand.
-        self.fetch_latest: Callable[[], Any] | None = None
         self.restarts = 0
 
     def _spawn(self, index: int) -> Any:
@@ -66,11 +63,8 @@ class RolloutGroup:
         log.warning("rollout actor %d died; restarting it from the last published version", index)
         self.actors[index] = self._spawn(index)
         self.restarts += 1
-        latest = (
-            self.latest if self.latest is not None else (self.fetch_latest() if self.fetch_latest else None)
-        )
-        if latest is not None:
-            ray.get(self.actors[index].update_weights.remote(latest))
+        if self.latest is not None:
+            ray.get(self.actors[index].update_weights.remote(self.latest))
 
     def _call(self, index: int, method: str, *args: Any) -> Any:
         for attempt in range(MAX_RETRIES + 1):

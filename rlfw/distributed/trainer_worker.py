@@ -65,11 +65,16 @@ class TrainerWorker:
         self.weights = WeightGroup(host, port, 0, world)
         return describe(dict(self.model.named_parameters()))
 
-    def send_weights(self) -> None:
-        """Every rank gathers (a collective under ZeRO-3); rank 0 broadcasts to the engines."""
+    def send_weights(self, version: int, contract_hash: str) -> list[Any]:
+        """Every rank gathers (a collective under ZeRO-3); rank 0 broadcasts to the engines and also keeps
+        the version in its node's object store (returns ``[ref]``): a replacement engine, or a resumed
+        async run, needs exactly this version later, when the trainer has moved on. It stays on the
+        trainer's node unless one of them fetches it."""
         state = self.backend.full_state_dict()
-        if self.rank == 0:
-            self.weights.send(state)
+        if self.rank != 0:
+            return []
+        self.weights.send(state)
+        return [ray.put(WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state))]
 
     def save(self, folder: str, tag: str) -> None:
         self.backend.save(folder, tag)

@@ -44,7 +44,8 @@ class ObjectStoreSync:
 class CollectiveSync:
     """Across machines: trainer rank 0 broadcasts the weights over a process group of its own with every
     engine (gloo on CPU, NCCL on GPUs), tensor by tensor in sorted-name order. The group is formed at
-    the first publish and formed again after an engine was replaced (a new actor is not a member)."""
+    the first publish and formed again after an engine was replaced (a new actor is not a member). Rank 0
+    also keeps each version in its node's object store, for replacement engines and async resume."""
 
     name = "collective"
 
@@ -64,12 +65,13 @@ class CollectiveSync:
     def publish(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int, contract_hash: str) -> Any:
         if self.members != rollout.restarts:
             self._form_group(trainer, rollout)
-        sends = [a.send_weights.remote() for a in trainer.actors]  # steps 1-2
+        sends = [a.send_weights.remote(version, contract_hash) for a in trainer.actors]  # steps 1-2
         receives = [a.receive_weights.remote(self.metas, version, contract_hash) for a in rollout.actors]
-        ray.get(sends + receives)  # steps 3-4
+        ref = ray.get(sends)[0][0]
+        ray.get(receives)  # steps 3-4
         # A replacement engine is not in the group yet: it gets this version through the object store.
-        rollout.fetch_latest = lambda: trainer.publish(version, contract_hash)
-        return None
+        rollout.latest = ref
+        return ref
 
 
 TRANSPORTS: dict[str, type] = {"object_store": ObjectStoreSync, "collective": CollectiveSync}

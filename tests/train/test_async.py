@@ -272,18 +272,19 @@ def test_async_with_the_discrepancy_lag_correction_learns(root: Path) -> None:
 
 
 @pytest.mark.slow
-def test_resume_of_an_async_run_after_kill_gives_the_same_metrics(root: Path) -> None:
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_resume_of_an_async_run_after_kill_gives_the_same_metrics(root: Path, transport: str) -> None:
     """policy=interval 2: at a checkpoint the engines are behind the trainer and the next step was
     submitted at an older version still; the resumed run puts both back and continues identically."""
     args = [*SMALL, "trainer.steps=7", "trainer.checkpoint_every=3", "sync=async"]
-    args += ["sync.policy=interval", "sync.interval=2", "sync.max_staleness=4"]
-    whole = run_train(root, "async_whole", *args)
+    args += ["sync.policy=interval", "sync.interval=2", "sync.max_staleness=4", f"sync.transport={transport}"]
+    whole = run_train(root, f"async_whole_{transport}", *args)
     assert whole.returncode == 0, whole.log[-3000:]
-    killed = run_until(root, "async_killed", args, state_step_at_least(2), signal.SIGKILL)
+    killed = run_until(root, f"async_killed_{transport}", args, state_step_at_least(2), signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     state = json.loads((killed.run_dir / "run_state.json").read_text())
     assert state["pending_version"] < state["version"]  # the case that needs the saved engine weights
-    resumed = run_train(root, "async_killed", *args, "resume=true")
+    resumed = run_train(root, f"async_killed_{transport}", *args, "resume=true")
     assert resumed.returncode == 0, resumed.log[-3000:]
     after = resumed.metrics()
     assert [r["step"] for r in after] == list(range(7))
