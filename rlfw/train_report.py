@@ -76,6 +76,12 @@ def time_metrics(tokens: int, samples: int, seconds: float, times: StepTimes) ->
     }
 
 
+def worst_finite(gaps: Tensor) -> float:
+    """The largest finite entry of ``gaps`` (NaN when there is none)."""
+    finite = gaps[torch.isfinite(gaps)]
+    return float(finite.max()) if finite.numel() else float("nan")
+
+
 def decode_kv_staleness(samples: list[Sample]) -> dict[str, float]:
     """``ratio/decode_kv/max_abs_log``: the worst |log s^P - log s^D| over tokens drawn at their sequence's
     final version, where prefill and decode held the same weights and only the KV cache the decode step
@@ -87,9 +93,7 @@ def decode_kv_staleness(samples: list[Sample]) -> dict[str, float]:
         for s in samples
         if len(s.response_T)
     ]
-    gap = torch.cat(gaps) if gaps else torch.zeros(0)
-    gap = gap[torch.isfinite(gap)]
-    return {"ratio/decode_kv/max_abs_log": float(gap.max()) if gap.numel() else float("nan")}
+    return {"ratio/decode_kv/max_abs_log": worst_finite(torch.cat(gaps) if gaps else torch.zeros(0))}
 
 
 def trainer_numerics(batch: TrainBatch, trainer_logp: Tensor, trainer_version: int) -> dict[str, float]:
@@ -100,6 +104,6 @@ def trainer_numerics(batch: TrainBatch, trainer_logp: Tensor, trainer_version: i
 
     trainer_logp: [B, L-1], the trainer's pre-update log-probs (``TrainResult.trainer_logp``)."""
     same = batch.mask & (batch.version == trainer_version)
-    gap = (trainer_logp - batch.prefill_logp)[same].abs()
-    gap = gap[torch.isfinite(gap)]
-    return {"ratio/trainer_numerics/max_abs_log": float(gap.max()) if gap.numel() else float("nan")}
+    return {
+        "ratio/trainer_numerics/max_abs_log": worst_finite((trainer_logp - batch.prefill_logp)[same].abs())
+    }

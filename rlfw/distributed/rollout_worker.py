@@ -126,10 +126,6 @@ class RolloutWorker:
     def version(self) -> int:
         return int(self.engine.version)
 
-    def stats(self) -> dict[str, int]:
-        """Counters of this actor: weight updates loaded inside a running generation."""
-        return {"in_flight_updates": self.in_flight_updates}
-
     def pid(self) -> int:
         return os.getpid()
 

@@ -53,6 +53,28 @@ class ContractMismatchError(RuntimeError):
     """A weight update built under another execution contract than the engine runs."""
 
 
+def unpack_update(
+    weights: WeightUpdate | Mapping[str, Tensor], version: int | None, contract_hash: str
+) -> tuple[Mapping[str, Tensor], int]:
+    """The state dict and version of an engine's ``update_weights`` arguments.
+
+    A :class:`~rlfw.types.WeightUpdate` carries its version and must have been built under the engine's
+    contract (``contract_hash``); a plain state dict needs ``version`` given with it.
+    """
+    if not isinstance(weights, WeightUpdate):
+        if version is None:
+            raise ValueError("update_weights(state_dict, version): the version is required")
+        return weights, version
+    if weights.contract_hash != contract_hash:
+        raise ContractMismatchError(
+            f"weight update {weights.version} was built under contract {weights.contract_hash!r} "
+            f"but this engine runs contract {contract_hash!r}; refusing to load it"
+        )
+    if version is not None and version != weights.version:
+        raise ValueError(f"version={version} contradicts the update's version {weights.version}")
+    return weights.state_dict, weights.version
+
+
 class NativeEngine:
     """Batched generation with per-token streams, versioned weights and teacher forcing for audits.
 
@@ -268,7 +290,7 @@ class NativeEngine:
         model lacks is refused. The update invalidates prompt snapshots (sequences not yet started
         prefill at the new version) and, under ``kv_policy=recompute``, re-prefills running sequences.
         """
-        state, version = self._unpack(weights, version)
+        state, version = unpack_update(weights, version, self.contract_hash)
         if not self.finished() and not self.in_flight:
             raise RuntimeError(
                 "weight update while sequences are unfinished; set engine.in_flight=true to allow "
@@ -282,22 +304,6 @@ class NativeEngine:
             seq.group.prefix = None
         if self.kv_policy == "recompute":
             self._recompute()
-
-    def _unpack(
-        self, weights: WeightUpdate | Mapping[str, Tensor], version: int | None
-    ) -> tuple[Mapping[str, Tensor], int]:
-        if not isinstance(weights, WeightUpdate):
-            if version is None:
-                raise ValueError("update_weights(state_dict, version): the version is required")
-            return weights, version
-        if weights.contract_hash != self.contract_hash:
-            raise ContractMismatchError(
-                f"weight update {weights.version} was built under contract {weights.contract_hash!r} "
-                f"but this engine runs contract {self.contract_hash!r}; refusing to load it"
-            )
-        if version is not None and version != weights.version:
-            raise ValueError(f"version={version} contradicts the update's version {weights.version}")
-        return weights.state_dict, weights.version
 
     def _load(self, state: Mapping[str, Tensor]) -> None:
         own = self.model.state_dict()

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from rlfw.rollout.engine import ContractMismatchError
+from rlfw.rollout.engine import unpack_update
 from rlfw.rollout.sampling import Transforms, process_logits, step_seed
 from rlfw.types import GenerationRequest, Sample, WeightUpdate
 
@@ -73,8 +73,8 @@ def require_vllm() -> None:
         raise VllmUnavailableError(f"vLLM is installed but `import vllm` fails ({e}). {INSTALL_HINT}") from e
 
 
-def check_checkpoint(path: str) -> tuple[dict[str, Any], list[str]]:
-    """The checkpoint's config and tensor names, after checking what vLLM would otherwise fail on late."""
+def check_checkpoint(path: str) -> list[str]:
+    """The checkpoint's tensor names, after checking what vLLM would otherwise fail on late."""
     from safetensors import safe_open
 
     from rlfw.model.config import args_from_hf_config
@@ -83,8 +83,7 @@ def check_checkpoint(path: str) -> tuple[dict[str, Any], list[str]]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise VllmCheckpointError(f"{path} has no config.json; pass an HF checkpoint folder as model.path")
-    config = json.loads(config_file.read_text())
-    args = args_from_hf_config(config)  # names an unsupported architecture or a missing field
+    args = args_from_hf_config(json.loads(config_file.read_text()))  # names a bad architecture or field
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise VllmCheckpointError(
@@ -101,7 +100,7 @@ def check_checkpoint(path: str) -> tuple[dict[str, Any], list[str]]:
                 f"{f} is not a readable safetensors file ({e}); re-save the checkpoint"
             ) from e
     check_head_dim(args.head_dim)
-    return config, names
+    return names
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -164,7 +163,7 @@ class VllmEngine:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
         if settings.batch_invariant and torch.cuda.is_available():
             os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
-        self.config, self.tensor_names = check_checkpoint(model_path)
+        self.tensor_names = check_checkpoint(model_path)
         from vllm import LLM
 
         from rlfw.rollout.vllm_model import ARCHITECTURE, KERNELS_KEY, register
@@ -361,19 +360,7 @@ class VllmEngine:
         self, weights: WeightUpdate | Mapping[str, Tensor], version: int | None = None
     ) -> None:
         """Reload weights in place between requests, move to ``version`` and drop the prefix cache."""
-        if isinstance(weights, WeightUpdate):
-            if weights.contract_hash != self.contract_hash:
-                raise ContractMismatchError(
-                    f"weight update {weights.version} was built under contract {weights.contract_hash!r} "
-                    f"but this engine runs contract {self.contract_hash!r}; refusing to load it"
-                )
-            if version is not None and version != weights.version:
-                raise ValueError(f"version={version} contradicts the update's version {weights.version}")
-            state, version = weights.state_dict, weights.version
-        else:
-            if version is None:
-                raise ValueError("update_weights(state_dict, version): the version is required")
-            state = dict(weights)
+        state, version = unpack_update(weights, version, self.contract_hash)
         if version <= self._version:
             raise ValueError(f"weight version {version} does not move past the engine's {self._version}")
         check_reloadable(self.model_impl)

@@ -28,7 +28,6 @@ from rlfw.kernels import get_ops
 from rlfw.rollout.sampling import Transforms, process_logits
 
 TAP_KEY = "rlfw_tap"
-TRANSFORMS_KEY = "rlfw_transforms"
 
 
 @dataclass
