@@ -32,12 +32,11 @@ import torch
 
 from rlfw.compose import load_config
 from rlfw.distributed.cluster import SUBPROCESS_ENV
-from rlfw.rollout.engine import NativeEngine
-from rlfw.rollout.sampling import Transforms
+from rlfw.model.distribution import Transforms
+from rlfw.rollout.native import NativeEngine
 from rlfw.tasks.arithmetic import Arithmetic
 from rlfw.tokenizer import build_tiny_tokenizer
-from rlfw.trainer.advantages import grpo_advantages
-from rlfw.trainer.batch import collate
+from rlfw.train.collate import collate, grpo_advantages
 from rlfw.trainer.logprobs import scoring_logp
 from rlfw.trainer.step import StepSpec, train_step
 from rlfw.types import GenerationRequest
@@ -67,7 +66,7 @@ def in_process(root: Path, reps: int, overrides: list[str]) -> dict[str, float]:
     import deepspeed
 
     from rlfw.model import from_pretrained
-    from rlfw.train_setup import optim_config
+    from rlfw.train.setup import optim_config
     from rlfw.trainer.deepspeed_backend import DeepSpeedBackend
 
     run = load_config(overrides)
@@ -90,7 +89,7 @@ def in_process(root: Path, reps: int, overrides: list[str]) -> dict[str, float]:
         return out
 
     engine._retire = timed_retire  # type: ignore[method-assign]
-    spec = StepSpec(Transforms(), run.correction, run.trainer.micro_batch_size, True, False)
+    spec = StepSpec(Transforms(), run.correction, run.trainer.micro_batch_size, "prefill", False)
     times: dict[str, list[float]] = {k: [] for k in ("generate", "prefill_stream", "score", "train", "sync")}
     for step in range(reps):
         problems = task.sample(run.algo.prompts_per_step, random.Random(step))

@@ -35,7 +35,7 @@ from rlfw.algos import decompose
 from rlfw.algos.ratios import ratio_metrics
 from rlfw.config import EngineConfig, VllmSettings
 from rlfw.model import Transformer, build_preset, save_pretrained
-from rlfw.rollout.engine import NativeEngine
+from rlfw.rollout.native import NativeEngine
 from rlfw.types import GenerationRequest, Sample
 
 FACTORS = ("trainer", "decode", "sampler", "total")
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
 
-    from rlfw.rollout.vllm_engine import VllmEngine  # after argparse: --help works without vLLM
+    from rlfw.rollout.vllm.engine import VllmEngine  # after argparse: --help works without vLLM
 
     torch.manual_seed(0)
     model = build_preset("tiny_dense", seed=0, kernels="invariant")

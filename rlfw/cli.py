@@ -16,16 +16,11 @@ verbs:
 """
 
 
-def _not_yet(verb: str, issue: str) -> int:
-    print(f"rlfw {verb}: not available in this version yet ({issue}).", file=sys.stderr)
-    return 2
-
-
 def cmd_train(overrides: list[str]) -> int:
     import logging
 
     from rlfw.compose import load_config
-    from rlfw.train import train
+    from rlfw.train.run import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return train(load_config(overrides))
@@ -80,7 +75,7 @@ def input_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (a checkpoint, dataset, run folder or unsupported setting), reported in
     one line rather than as a traceback."""
     from rlfw.model import CheckpointError, ModelConfigError
-    from rlfw.rollout.vllm_engine import VllmCheckpointError, VllmUnavailableError
+    from rlfw.rollout.vllm.checks import VllmCheckpointError, VllmUnavailableError
     from rlfw.tasks.gsm8k import DatasetError
     from rlfw.tokenizer import TokenizerError
 

@@ -1,35 +1,20 @@
 """Typed configuration: one dataclass per component, composed by Hydra from ``configs/`` and ``recipes/``.
 
-Each field carries a one-line comment that is its documentation. Hydra rejects unknown keys (the
-dataclasses are structured configs); ``__post_init__`` rejects bad values, naming the key and the allowed
-values. ``load_config`` returns these dataclasses, not a loose dict.
+Each field carries a one-line comment that is its documentation (the correction's, in
+:mod:`rlfw.algos.config`, the same). Hydra rejects unknown keys (the dataclasses are structured configs);
+``__post_init__`` rejects bad values with :class:`~rlfw.validation.ConfigError`, naming the key and the
+allowed values. ``load_config`` returns these dataclasses, not a loose dict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
 from rlfw.algos.config import CorrectionConfig
-
-
-class ConfigError(ValueError):
-    """A config value or key rlfw cannot run with; the message names the key and what is allowed."""
-
-
-def check_choice(key: str, value: Any, allowed: Iterable[Any]) -> None:
-    allowed = tuple(allowed)
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
-
-
-def check_range(key: str, value: float, lo: float | None = None, hi: float | None = None) -> None:
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-        raise ConfigError(f"{key}={value!r} is out of range; allowed: {bounds}")
+from rlfw.model.distribution import Transforms
+from rlfw.validation import ConfigError, check_choice, check_range
 
 
 @dataclass
@@ -72,6 +57,10 @@ class SamplerConfig:
         check_range("sampler.min_p", self.min_p, lo=0.0, hi=1.0)
         check_choice("sampler.precision", self.precision, ("fp32", "bf16", "fp8"))
         check_range("sampler.topk_logprobs", self.topk_logprobs, lo=0)
+
+    def transforms(self) -> Transforms:
+        """The declared transforms: what the engines sample from and the trainer replays."""
+        return Transforms(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 @dataclass
@@ -157,7 +146,6 @@ class AlgoConfig:
     gamma: float = 1.0  # PPO discount
     lam: float = 0.95  # PPO GAE lambda
     value_coef: float = 0.5  # PPO value-loss weight
-    kl_coef: float = 0.0  # KL penalty to the reference policy; 0 disables
 
     def __post_init__(self) -> None:
         check_choice("algo.name", self.name, ("grpo", "ppo"))

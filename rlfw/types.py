@@ -202,6 +202,10 @@ class TrainBatch:
         sliced: dict[str, Any] = {k: None if v is None else v[index] for k, v in values.items()}
         return TrainBatch(**sliced)
 
+    def micro_batches(self, size: int) -> list[TrainBatch]:
+        """Consecutive row blocks of at most ``size`` sequences (gradient accumulation's unit)."""
+        return [self.rows(slice(i, i + size)) for i in range(0, len(self), size)]
+
 
 @dataclass
 class TrainResult:

@@ -62,7 +62,10 @@ def test_corrections_toggle_from_the_command_line() -> None:
         (["correction=bogus"], r"correction='bogus' is not a config option; choose one of: centering, dlc"),
         (["sync.policy=sometimes"], r"sync\.policy='sometimes' is not allowed; choose one of: every_step"),
         (["kernels=fast"], r"kernels='fast' is not allowed; choose one of: invariant, default"),
-        (["correction.mis_level=x"], r"correction\.mis_level='x' is not valid; allowed: token \| sequence"),
+        (
+            ["correction.mis_level=x"],
+            r"correction\.mis_level='x' is not allowed; choose one of: token, sequence",
+        ),
         (["trainer.lr=abc"], r"trainer\.lr=abc.*could not be converted"),
         (["recipe=nope"], r"recipe='nope' not found.*available: default"),
         (["model=hf"], r"set exactly one of model\.path"),

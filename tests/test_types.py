@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlfw.model import build_preset
-from rlfw.rollout.engine import NativeEngine
+from rlfw.rollout.native import NativeEngine
 from rlfw.types import GenerationRequest, SampleBatch
 
 

@@ -1,14 +1,16 @@
 """The correction's config (`correction` group): which correction acts on which ratio factors, and its knobs.
 
 Validation lives here so that a bad value fails when the config is built, with the key and the allowed
-values in the message, not deep inside a training step.
+values in the message (:class:`~rlfw.validation.ConfigError`, as for every config class), not deep inside a
+training step. Each field's trailing comment is its documentation.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from rlfw.validation import ConfigError, bad_value, check_choice
 
 FACTORS: tuple[str, ...] = ("trainer", "decode", "sampler")
 CORRECTION_NAMES: tuple[str, ...] = ("none", "tis", "mis", "icepop", "centering", "ppo_sampler", "dlc")
@@ -29,13 +31,8 @@ DEFAULT_FACTORS: dict[str, tuple[str, ...]] = {"icepop": ("decode", "sampler")}
 FIXED_FACTORS: dict[str, tuple[str, ...]] = {"centering": FACTORS, "dlc": FACTORS}
 
 
-def _bad(key: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"correction.{key}={value!r} is not valid; allowed: {allowed}")
-
-
-def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise _bad(key, value, " | ".join(allowed))
+def _bad(key: str, value: Any, allowed: str) -> ConfigError:
+    return bad_value(f"correction.{key}", value, allowed)
 
 
 def _check_bounds(key: str, value: tuple[float, float] | None) -> None:
@@ -49,32 +46,17 @@ def _check_bounds(key: str, value: tuple[float, float] | None) -> None:
 class CorrectionConfig:
     """How the policy loss corrects for the gap between the sampler's and the trainer's distributions."""
 
-    name: str = "none"
-    """Correction: none | tis | mis | icepop | centering | ppo_sampler | dlc."""
-    factors: tuple[str, ...] | None = None
-    """Log factors the correction's ratio covers (subset of trainer, decode, sampler); None = all three."""
-    tis_cap: float = 2.0
-    """TIS truncation C: the weight is min(ratio, C); inf gives untruncated IS."""
-    mis_level: str = "token"
-    """MIS granularity: token (mask tokens) | sequence (mask sequences by the geometric-mean ratio)."""
-    mis_bounds: tuple[float, float] | None = None
-    """MIS keep window [lo, hi]; None = (0.5, 2) at token level, (0.999, 1.001) at sequence level."""
-    icepop_bounds: tuple[float, float] = (0.5, 5.0)
-    """IcePop keep window [alpha, beta] on the numerical ratio."""
-    topk: int = 32
-    """Size k of the sampler's top-k head used by score centering (the rollout records this many)."""
-    combine_with: str = "none"
-    """Weight applied inside score centering: none (unit weights) | tis | mis | ppo."""
-    clip_eps: float = 0.2
-    """PPO clip epsilon (lower side, and upper side unless clip_eps_high is set)."""
-    clip_eps_high: float | None = None
-    """PPO upper clip epsilon for asymmetric clipping; None = clip_eps."""
-    dual_clip: float | None = None
-    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None = off."""
-    ess_threshold: float = 0.5
-    """Resync when ESS/N of the lag ratio falls below this (used by the `ess` resync policy)."""
-    aggregation: str = "token_mean"
-    """Loss aggregation: token_mean (sum / global token count) | seq_mean (per-sequence mean / sequences)."""
+    name: str = "none"  # none | tis | mis | icepop | centering | ppo_sampler | dlc
+    factors: tuple[str, ...] | None = None  # factors the ratio covers (of trainer, decode, sampler); None=all
+    tis_cap: float = 2.0  # TIS truncation C: the weight is min(ratio, C); inf gives untruncated IS
+    mis_level: str = "token"  # MIS granularity: token (mask tokens) | sequence (by the geometric-mean ratio)
+    mis_bounds: tuple[float, float] | None = None  # MIS window; None: (0.5, 2) token, (0.999, 1.001) seq
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)  # IcePop keep window [alpha, beta] on the numerical ratio
+    combine_with: str = "none"  # weight inside score centering: none (unit weights) | tis | mis | ppo
+    clip_eps: float = 0.2  # PPO clip epsilon (lower side, and upper side unless clip_eps_high is set)
+    clip_eps_high: float | None = None  # PPO upper clip epsilon for asymmetric clipping; None: clip_eps
+    dual_clip: float | None = None  # dual-clip constant c > 1 bounding negative-advantage losses; None: off
+    aggregation: str = "token_mean"  # token_mean (sum / global tokens) | seq_mean (sequence means)
 
     def __post_init__(self) -> None:
         # Hydra hands sequences over as lists; keep tuples so the config stays hashable and comparable.
@@ -83,10 +65,10 @@ class CorrectionConfig:
         if self.mis_bounds is not None:
             self.mis_bounds = (float(self.mis_bounds[0]), float(self.mis_bounds[1]))
         self.icepop_bounds = (float(self.icepop_bounds[0]), float(self.icepop_bounds[1]))
-        _check_choice("name", self.name, CORRECTION_NAMES)
-        _check_choice("mis_level", self.mis_level, MIS_LEVELS)
-        _check_choice("combine_with", self.combine_with, COMBINE_WITH)
-        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        check_choice("correction.name", self.name, CORRECTION_NAMES)
+        check_choice("correction.mis_level", self.mis_level, MIS_LEVELS)
+        check_choice("correction.combine_with", self.combine_with, COMBINE_WITH)
+        check_choice("correction.aggregation", self.aggregation, AGGREGATIONS)
         self._check_factors()
         _check_bounds("mis_bounds", self.mis_bounds)
         _check_bounds("icepop_bounds", self.icepop_bounds)
@@ -110,16 +92,12 @@ class CorrectionConfig:
     def _check_numbers(self) -> None:
         if not self.tis_cap > 0:
             raise _bad("tis_cap", self.tis_cap, "a number > 0 (inf for untruncated IS)")
-        if self.topk < 1:
-            raise _bad("topk", self.topk, "an integer >= 1")
         if not 0 < self.clip_eps < 1:
             raise _bad("clip_eps", self.clip_eps, "a number in (0, 1)")
         if self.clip_eps_high is not None and not self.clip_eps_high > 0:
             raise _bad("clip_eps_high", self.clip_eps_high, "None or a number > 0")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise _bad("dual_clip", self.dual_clip, "None or a number > 1")
-        if not 0 < self.ess_threshold <= 1 or math.isnan(self.ess_threshold):
-            raise _bad("ess_threshold", self.ess_threshold, "a number in (0, 1]")
 
     @property
     def selected_factors(self) -> tuple[str, ...]:

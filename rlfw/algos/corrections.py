@@ -1,13 +1,16 @@
 """The corrections of design §3, one small function each, in a registry keyed by `correction.name`.
 
-Each maps a `CorrectionBatch` and the config to (per-token loss [B, T], metrics). The per-token loss is
-only read on valid tokens; aggregation over tokens or sequences happens in `policy_loss`. Weights are
-detached, so a token's gradient is (weight) * A * grad log q unless the correction says otherwise.
+Each maps a `CorrectionBatch` and the config to (per-token loss [B, T], metrics); its registry entry also
+declares what it reads beyond the four streams (the trainer's log-probs at the sampler's top-k ids). The
+per-token loss is only read on valid tokens; aggregation over tokens or sequences happens in
+`policy_loss`. Weights are detached, so a token's gradient is (weight) * A * grad log q unless the
+correction says otherwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -191,12 +194,22 @@ def dlc(batch: CorrectionBatch, cfg: CorrectionConfig) -> tuple[Tensor, Metrics]
     )
 
 
-CORRECTIONS: dict[str, Correction] = {
-    "none": none,
-    "tis": tis,
-    "mis": mis,
-    "icepop": icepop,
-    "centering": centering,
-    "ppo_sampler": ppo_sampler,
-    "dlc": dlc,
+@dataclass(frozen=True)
+class CorrectionRule:
+    """A registry entry: the loss function and what it needs from the trainer's forward."""
+
+    loss: Correction
+    needs_topk: bool = False
+    """Reads `trainer_topk_logp` (the trainer's log-probs at the sampler's top-k ids): the score-centring
+    corrections. The trainer gathers that head only when the correction asks for it."""
+
+
+CORRECTIONS: dict[str, CorrectionRule] = {
+    "none": CorrectionRule(none),
+    "tis": CorrectionRule(tis),
+    "mis": CorrectionRule(mis),
+    "icepop": CorrectionRule(icepop),
+    "centering": CorrectionRule(centering, needs_topk=True),
+    "ppo_sampler": CorrectionRule(ppo_sampler),
+    "dlc": CorrectionRule(dlc, needs_topk=True),
 }

@@ -1,4 +1,9 @@
-"""`policy_loss`: a correction's per-token loss, aggregated with counts passed in, plus the ratio metrics."""
+"""`policy_loss`: a correction's per-token loss, aggregated with counts passed in; `ratio_report`: the
+per-factor ratio metrics of a whole step.
+
+The two are separate because they run at different grains: the loss per micro-batch on a trainer rank,
+the ratio metrics once per step over every token of the batch (on the driver). `policy_loss` returns only
+what the loss alone knows (the correction's clip and mask fractions, the loss, dropped tokens)."""
 
 from __future__ import annotations
 
@@ -34,9 +39,10 @@ _AGGREGATIONS: dict[str, Callable[[Tensor, CorrectionBatch, LossInputs], Tensor]
 }
 
 
-def ratio_report(batch: CorrectionBatch, cfg: CorrectionConfig) -> dict[str, Tensor]:
+def ratio_report(inputs: LossInputs, cfg: CorrectionConfig) -> dict[str, Tensor]:
     """Design §6 ratio metrics over valid tokens: each factor, the total, the lag ratio q / old, the
     product the correction acts on when it is none of those, and the token-level ESS/N of lag and total."""
+    batch = prepare(inputs)
     log_ratios = dict(batch.log_factors)
     log_ratios["lag"] = batch.log_lag.detach()
     log_ratios.setdefault(
@@ -56,15 +62,15 @@ def policy_loss(inputs: LossInputs, cfg: CorrectionConfig) -> tuple[Tensor, dict
     The loss is sum over valid tokens of the correction's per-token loss, divided by `inputs.num_tokens`
     (token_mean), or the per-sequence token mean summed and divided by `inputs.num_sequences` (seq_mean).
     Gradient flows only into `trainer_logp` (and `trainer_topk_logp` for centering and dlc).
-    Metrics (detached): the per-factor ratio metrics and ESS (`ratio_report`), the correction's own
-    clip/mask fractions, `loss/policy`, and `loss/nonfinite_tokens` (masked tokens dropped because a
-    log-probability stream was NaN or inf).
+    Metrics (detached): the correction's own clip/mask fractions, `loss/policy`, and
+    `loss/nonfinite_tokens` (masked tokens dropped because a log-probability stream was NaN or inf).
+    The ratio metrics of the step are `ratio_report`'s, computed once over the whole batch.
     """
     batch = prepare(inputs)
-    per_token, metrics = CORRECTIONS[cfg.name](batch, cfg)
+    per_token, metrics = CORRECTIONS[cfg.name].loss(batch, cfg)
     per_token = torch.where(batch.valid, per_token, torch.zeros_like(per_token))
     loss = _AGGREGATIONS[cfg.aggregation](per_token, batch, inputs)
-    metrics = {**ratio_report(batch, cfg), **{k: v.detach() for k, v in metrics.items()}}
+    metrics = {k: v.detach() for k, v in metrics.items()}
     metrics["loss/policy"] = loss.detach()
     metrics["loss/nonfinite_tokens"] = (batch.mask & ~batch.valid).sum()
     return loss, metrics

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from rlfw.audit import localise as loc
-from rlfw.audit.streams import (
+from rlfw.audit.stream_checks import (
     engine_cases,
     pad_right,
     sample_continuations,
@@ -26,8 +26,7 @@ from rlfw.audit.streams import (
 from rlfw.config import RunConfig
 from rlfw.contract import PAIRS, ExecutionContract, build_contract, pair_name
 from rlfw.model import Transformer, load_model, save_pretrained
-from rlfw.rollout.engine import NativeEngine
-from rlfw.rollout.sampling import Transforms
+from rlfw.rollout.native import NativeEngine
 
 PROMPT_LENS = (5, 9, 3, 12)
 RESPONSE_LENS = (7, 11, 4, 30)  # the longest crosses a 32-slot KV tile
@@ -118,7 +117,7 @@ def localisation(model: Transformer, seq: Tensor) -> dict[str, Any]:
 def run_audit(run: RunConfig) -> tuple[dict[str, Any], int]:
     """The ladder's JSON and the exit code: 1 when bits differ where the contract claims they match."""
     model = load_model(run.model.path, run.model.preset, run.model.dtype, run.kernels, run.model.seed)
-    t = Transforms.from_config(run.engine.sampler)
+    t = run.engine.sampler.transforms()
     contract = build_contract(
         model.ops,
         run.model.dtype,

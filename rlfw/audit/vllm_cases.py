@@ -43,7 +43,7 @@ class VllmAudit:
     """A vLLM engine on the audited weights, started once for the whole ladder."""
 
     def __init__(self, run: RunConfig, model: Transformer, contract_hash: str, max_len: int) -> None:
-        from rlfw.rollout.vllm_engine import VllmEngine
+        from rlfw.rollout.vllm.engine import VllmEngine
 
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         path = run.model.path

@@ -19,14 +19,14 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from typing import Any
 
 import ray
 
 from rlfw.config import EngineConfig
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup
-from rlfw.rollout.engine import NativeEngine
+from rlfw.rollout.engine import Engine
+from rlfw.rollout.native import NativeEngine
 from rlfw.types import GenerationRequest, SampleBatch, WeightUpdate
 
 
@@ -36,9 +36,9 @@ class RolloutWorker:
     def __init__(
         self, spec: ModelSpec, engine_cfg: EngineConfig, stop_ids: list[int], contract_hash: str
     ) -> None:
-        self.engine: Any
+        self.engine: Engine
         if engine_cfg.name == "vllm":
-            from rlfw.rollout.vllm_engine import VllmEngine
+            from rlfw.rollout.vllm.engine import VllmEngine
 
             self.engine = VllmEngine.from_config(
                 self._checkpoint(spec), engine_cfg, spec.dtype, spec.kernels, stop_ids, contract_hash
@@ -77,7 +77,7 @@ class RolloutWorker:
                 self._turn.notify_all()
         return SampleBatch.pack(samples)
 
-    def _load_handed(self, engine: NativeEngine) -> None:
+    def _load_handed(self, engine: Engine) -> None:
         """Between two decode steps: load an update the update thread handed over."""
         with self._turn:
             if self._handed is None:

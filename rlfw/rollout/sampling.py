@@ -1,79 +1,20 @@
-"""Sampling transforms, sampler precision and seeded draws.
+"""Sampler precision and seeded draws.
 
-One function, :func:`process_logits`, turns raw logits into the distribution tokens are drawn from. The
-engine calls it when sampling and when computing the decode and prefill streams; the trainer calls it to
-replay the same distribution. So every stream is a log-prob of the same processed distribution and a
-transform is never approximated on one side.
-
-Transforms run in fp32 in a declared order: temperature, then top-k, then top-p, then min-p.
-Tie rules: top-k keeps every token whose logit equals the k-th largest (ties at the boundary are all
-kept); top-p ranks tokens by a stable descending sort (equal probabilities: lower id first); a draw is
-``argmax(logits + gumbel)`` whose ties go to the lowest id.
+The distribution itself (the declared transforms and :func:`~rlfw.model.distribution.process_logits`)
+lives with the model, below both trainer and rollout. Here: what only a sampler does with it: a
+reduced-precision LM head and a seeded Gumbel-max draw (ties go to the lowest id), so a token depends
+only on (seed, sequence, step), not on the batch around it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from rlfw.config import SamplerConfig
-
 PRECISIONS = ("fp32", "bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-@dataclass(frozen=True)
-class Transforms:
-    """The declared sampling transforms (mirrors ``engine.sampler`` in the config)."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    @classmethod
-    def from_config(cls, sampler: SamplerConfig) -> Transforms:
-        """The transforms ``engine.sampler`` declares."""
-        return cls(sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p)
-
-
-def _top_k(logits: Tensor, k: int) -> Tensor:
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _top_p(logits: Tensor, p: float) -> Tensor:
-    if p >= 1.0:
-        return logits
-    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
-    probs = torch.softmax(logits, dim=-1).gather(-1, order)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted = mass_before >= p  # keep the smallest prefix whose mass reaches p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def _min_p(logits: Tensor, min_p: float) -> Tensor:
-    if min_p <= 0.0:
-        return logits
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def process_logits(logits: Tensor, t: Transforms) -> Tensor:
-    """fp32 processed logits ``[..., V]``: removed tokens are ``-inf``; log_softmax gives the stream."""
-    out = logits.float()
-    if t.temperature != 1.0:
-        out = out / t.temperature
-    return _min_p(_top_p(_top_k(out, t.top_k), t.top_p), t.min_p)
 
 
 def quantize_fp8(x: Tensor) -> Tensor:

@@ -20,7 +20,8 @@ from torch import Tensor
 
 from rlfw.kernels import Ops
 from rlfw.model import Transformer
-from rlfw.rollout.sampling import Transforms, process_logits, sampler_head
+from rlfw.model.distribution import Transforms, process_logits
+from rlfw.rollout.sampling import sampler_head
 
 
 @dataclass

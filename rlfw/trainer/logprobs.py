@@ -8,8 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from rlfw.model import RouterTrace, Transformer
-from rlfw.rollout.sampling import Transforms, process_logits
-from rlfw.trainer.batch import micro_batches
+from rlfw.model.distribution import Transforms, process_logits
 from rlfw.types import TrainBatch
 
 
@@ -62,7 +61,7 @@ def scoring_logp(
     with torch.no_grad():
         parts = [
             trainer_logp(model, ops_model, mb, t, replay=True, topk=False).logp
-            for mb in micro_batches(batch, micro)
+            for mb in batch.micro_batches(micro)
         ]
     return torch.cat(parts)
 
@@ -73,7 +72,7 @@ def critic_values(
     """The critic's no-grad estimates over the whole batch, ``[B, L-1]`` (the pre-update values GAE reads)."""
     with torch.no_grad():
         parts = []
-        for mb in micro_batches(batch, micro):
+        for mb in batch.micro_batches(micro):
             v = trainer_logp(model, ops_model, mb, t, replay=True, topk=False, values=True).values
             assert v is not None
             parts.append(v)

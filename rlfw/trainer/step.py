@@ -2,9 +2,8 @@
 
 The loss of every micro-batch is normalised by the step's *global* token count (passed in), so gradient
 accumulation over micro-batches and ranks equals one big batch. The PPO reference (the old-policy
-log-prob) is the engine's prefill stream when the execution contract holds (then it equals the trainer's
-own scoring forward bit for bit and the extra forward is skipped); otherwise the trainer runs that
-scoring forward itself.
+log-prob) is the stream :func:`rlfw.algos.ppo_reference` chose for the run: the trainer's own scoring
+forward (``score``), or the engine's prefill or decode stream, which make that extra forward unnecessary.
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from rlfw.algos import CorrectionConfig, LossInputs, gae, policy_loss, ratio_report, value_loss
-from rlfw.algos.batch import prepare
+from rlfw.algos import CORRECTIONS, CorrectionConfig, LossInputs, Reference, gae, policy_loss, value_loss
 from rlfw.model import Transformer
-from rlfw.rollout.sampling import Transforms
-from rlfw.trainer.batch import micro_batches
+from rlfw.model.distribution import Transforms
 from rlfw.trainer.logprobs import critic_values, scoring_logp, trainer_logp
 from rlfw.types import TrainBatch, TrainResult
 
@@ -57,18 +54,15 @@ class StepSpec:
     transforms: Transforms
     correction: CorrectionConfig
     micro_batch_size: int
-    prefill_as_old: bool  # the contract holds: take the prefill stream as the old-policy log-prob
+    reference: Reference  # the PPO reference stream (rlfw.algos.ppo_reference): score | prefill | decode
     router_replay: bool
     ppo: PPOSpec | None = None  # None: GRPO (advantages come with the batch)
-    decode_as_old: bool = (
-        False  # in-flight updates: the decode stream (each token's own version) is the reference
-    )
 
 
 def old_policy_logp(backend: Backend, model: Transformer, batch: TrainBatch, spec: StepSpec) -> Tensor:
-    if spec.decode_as_old:
+    if spec.reference == "decode":
         return batch.decode_logp
-    if spec.prefill_as_old:
+    if spec.reference == "prefill":
         return batch.prefill_logp
     return scoring_logp(backend.module, model, batch, spec.transforms, spec.micro_batch_size)
 
@@ -93,11 +87,11 @@ def train_step(
     critic = _critic_targets(backend, model, batch, spec) if spec.ppo is not None else None
     if critic is not None:
         batch = replace(batch, advantages=critic[0])
-    topk = spec.correction.name in ("centering", "dlc")
+    topk = CORRECTIONS[spec.correction.name].needs_topk
     q_parts: list[Tensor] = []
     mismatch: list[float] = []
     sums: dict[str, float] = defaultdict(float)
-    for i, mb in enumerate(micro_batches(batch, spec.micro_batch_size)):
+    for i, mb in enumerate(batch.micro_batches(spec.micro_batch_size)):
         rows = slice(i * spec.micro_batch_size, i * spec.micro_batch_size + len(mb))
         out = trainer_logp(
             backend.module,
@@ -108,7 +102,7 @@ def train_step(
             topk=topk,
             values=critic is not None,
         )
-        inputs = _loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences)
+        inputs = loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences)
         loss, metrics = policy_loss(inputs, spec.correction)
         if critic is not None and spec.ppo is not None and out.values is not None:
             _, old_values, returns = critic
@@ -142,18 +136,11 @@ def _critic_targets(
     return advantages, old_values, returns
 
 
-def step_metrics(
-    batch: TrainBatch, q: Tensor, old: Tensor, correction: CorrectionConfig
-) -> dict[str, float | Tensor]:
-    """Ratio metrics over a whole batch: every factor, the lag ratio, ESS (design section 6)."""
-    inputs = _loss_inputs(batch, q, None, old, max(batch.num_tokens, 1), max(len(batch), 1))
-    metrics = ratio_report(prepare(inputs), correction)
-    return {k: (v if v.dim() else float(v)) for k, v in metrics.items()}
-
-
-def _loss_inputs(
+def loss_inputs(
     mb: TrainBatch, q: Tensor, q_topk: Tensor | None, old: Tensor, num_tokens: int, num_sequences: int
 ) -> LossInputs:
+    """The loss's view of a (micro-)batch: its streams, the trainer's log-probs ``q`` and the reference
+    ``old`` (all ``[B, L-1]``), the trainer's top-k head when the correction reads it, global counts."""
     return LossInputs(
         trainer_logp=q,
         sampler_logp=mb.sampler_logp,

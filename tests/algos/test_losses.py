@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlfw.algos import CorrectionConfig, LossInputs, policy_loss
+from rlfw.algos import CorrectionConfig, LossInputs, policy_loss, ratio_report
 from rlfw.algos.ppo import ppo_surrogate
 from rlfw.algos.weights import ppo_weight
 
@@ -116,17 +116,17 @@ def test_gradient_reaches_only_the_trainer_stream(name: str) -> None:
 def test_old_logp_is_the_ppo_reference() -> None:
     # old = q - log 1.1 for every token: r = 1.1 inside the window everywhere.
     q = t([[-1.0, -2.0, -0.5]])
-    loss, metrics = policy_loss(
-        three_tokens(old_logp=q - torch.log(t(1.1))), CorrectionConfig(name="ppo_sampler")
-    )
+    inputs, cfg = three_tokens(old_logp=q - torch.log(t(1.1))), CorrectionConfig(name="ppo_sampler")
+    loss, _ = policy_loss(inputs, cfg)
     # loss = -sum(A r) / 4 = -1.1 * (1 - 2 + 0.5) / 4 = 0.1375
     assert loss.item() == pytest.approx(0.1375)
+    metrics = ratio_report(inputs, cfg)
     assert metrics["ratio/lag/mean"].item() == pytest.approx(1.1)
     assert metrics["ratio/trainer/mean"].item() == pytest.approx(1.0)  # (1.5 + 1 + 0.5) / 3: prefill, not old
 
 
 def test_metrics_closed_form() -> None:
-    _, m = policy_loss(three_tokens(), CorrectionConfig(name="none"))
+    m = ratio_report(three_tokens(), CorrectionConfig(name="none"))
     for f in ("trainer", "decode", "sampler", "total", "lag"):
         for stat in ("mean", "max_abs_log", "k3_kl", "hist"):
             assert f"ratio/{f}/{stat}" in m
@@ -141,7 +141,7 @@ def test_metrics_closed_form() -> None:
 
 
 def test_metrics_cover_the_ratio_a_correction_acts_on() -> None:
-    _, m = policy_loss(three_tokens(), CorrectionConfig(name="icepop"))
+    m = ratio_report(three_tokens(), CorrectionConfig(name="icepop"))
     assert m["ratio/numerical/mean"].item() == pytest.approx(3.2 / 3)  # (2 + 0.8 + 0.4) / 3
 
 
@@ -193,7 +193,7 @@ def test_non_finite_tokens_are_dropped_counted_and_keep_gradients_finite(bad: fl
     assert loss.item() == pytest.approx(expected.item(), abs=1e-15)
     assert metrics["loss/nonfinite_tokens"].item() == 1
     assert torch.isfinite(dirty.trainer_logp.grad).all() and dirty.trainer_logp.grad[0, 1] == 0
-    assert torch.isfinite(metrics["ratio/total/mean"])
+    assert torch.isfinite(ratio_report(dirty, CorrectionConfig(name="tis"))["ratio/total/mean"])
 
 
 def test_mask_accepts_float_zero_one() -> None:

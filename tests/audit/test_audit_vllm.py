@@ -19,7 +19,7 @@ if os.environ.get("RLFW_WITH_VLLM") == "0":
     pytest.skip("installed with RLFW_WITH_VLLM=0: no vLLM", allow_module_level=True)
 
 from rlfw.config import EngineConfig  # noqa: E402
-from rlfw.rollout.vllm_engine import VllmEngine  # noqa: E402
+from rlfw.rollout.vllm.engine import VllmEngine  # noqa: E402
 from rlfw.types import GenerationRequest  # noqa: E402
 
 PAIRS = [
@@ -117,11 +117,11 @@ def test_bad_inputs_exit_2_with_the_fix(tmp_path: Path, capsys: pytest.CaptureFi
 def test_missing_vllm_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from rlfw.rollout import vllm_engine
+    from rlfw.rollout.vllm import checks
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
     )
-    with pytest.raises(vllm_engine.VllmUnavailableError, match="scripts/test.sh|pip install"):
-        vllm_engine.require_vllm()
+    with pytest.raises(checks.VllmUnavailableError, match="scripts/test.sh|pip install"):
+        checks.require_vllm()

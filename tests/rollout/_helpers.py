@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from rlfw.model import Transformer, build_preset
-from rlfw.rollout.engine import NativeEngine
-from rlfw.rollout.sampling import Transforms, process_logits
+from rlfw.model.distribution import Transforms, process_logits
+from rlfw.rollout.native import NativeEngine
 from rlfw.types import GenerationRequest, Sample
 
 PRESETS = ["tiny_dense", "tiny_moe"]

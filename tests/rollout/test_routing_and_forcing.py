@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlfw.model import RouterTrace
-from rlfw.rollout.sampling import Transforms, process_logits
+from rlfw.model.distribution import Transforms, process_logits
 from tests.rollout._helpers import engine, model, request, same_bits
 
 

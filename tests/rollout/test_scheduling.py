@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlfw.rollout.engine import NativeEngine
+from rlfw.rollout.native import NativeEngine
 from rlfw.rollout.requests import RequestError
 from rlfw.types import GenerationRequest
 from tests.rollout._helpers import engine, model, prompts, request, same_bits

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlfw.model import build_preset
-from rlfw.rollout.sampling import Transforms
+from rlfw.model.distribution import Transforms
 from tests.rollout._helpers import PRESETS, engine, model, request, same_bits, trainer_logp
 
 MIXED_LENGTHS = [1, 7, 3, 12, 5]  # length 1: a prompt with nothing to prefill

@@ -15,15 +15,16 @@ from torch import Tensor
 
 from rlfw.config import EngineConfig, SamplerConfig, VllmSettings
 from rlfw.model import Transformer, build_preset, save_pretrained
-from rlfw.rollout.engine import ContractMismatchError
-from rlfw.rollout.sampling import Transforms, process_logits
+from rlfw.model.distribution import Transforms, process_logits
+from rlfw.rollout.native import ContractMismatchError
 from rlfw.types import GenerationRequest, Sample, WeightUpdate
 from tests.rollout._helpers import prompts
 
 if os.environ.get("RLFW_WITH_VLLM") == "0":
     pytest.skip("installed with RLFW_WITH_VLLM=0: no vLLM", allow_module_level=True)
 
-from rlfw.rollout.vllm_engine import VllmCheckpointError, VllmEngine  # noqa: E402
+from rlfw.rollout.vllm.checks import VllmCheckpointError  # noqa: E402
+from rlfw.rollout.vllm.engine import VllmEngine  # noqa: E402
 
 SAMPLER = SamplerConfig(temperature=0.8, top_k=40, top_p=0.95, topk_logprobs=5)
 PLAIN = SamplerConfig(topk_logprobs=5)
@@ -76,7 +77,7 @@ def test_records_streams_and_groups(engine: VllmEngine, ckpts: dict[str, tuple[T
         (12, 1),
         (12, 2),
     ]
-    t = Transforms.from_config(SAMPLER)
+    t = SAMPLER.transforms()
     for s in samples:
         n = s.response_T.shape[0]
         assert 1 <= n <= 12 and s.topk_ids.shape == (n, 5) and s.version_T.tolist() == [0] * n

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlfw.rollout.engine import ContractMismatchError, NativeEngine
-from rlfw.rollout.sampling import Transforms
+from rlfw.model.distribution import Transforms
+from rlfw.rollout.native import ContractMismatchError, NativeEngine
 from rlfw.types import Sample, WeightUpdate
 from tests.rollout._helpers import PRESETS, bits, engine, model, request, same_bits, trainer_logp
 

@@ -13,7 +13,7 @@ from rlfw.tasks.arithmetic import Arithmetic
 from rlfw.tasks.base import Problem
 from rlfw.tasks.gsm8k import GSM8K, DatasetError, parse_number
 from rlfw.tasks.rewards import score
-from rlfw.trainer.advantages import grpo_advantages
+from rlfw.train.collate import grpo_advantages
 from rlfw.types import Sample
 
 

@@ -19,9 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlfw.config import RunConfig, SyncConfig
-from rlfw.distributed.async_schedule import SyncClock, pipeline_depth, split_stale
-from rlfw.train_setup import prefill_is_old_policy
+from rlfw.train.schedule import SyncClock, pipeline_depth, split_stale
 from rlfw.types import Sample
 from tests.train._run import SMALL, comparable, run_train, run_until, state_step_at_least
 
@@ -103,29 +101,6 @@ def test_interval_policy_pushes_every_interval_steps() -> None:
     # interval 3 under a loose bound: pushes after steps 3, 6, 9, 12 -> 4 pushes in 12 steps
     _, resyncs = _simulate_gaps("interval", 3, 10, steps=12)
     assert resyncs == 4
-
-
-class _NoContract:
-    def claims_bitwise(self, a: str, b: str) -> bool:
-        return False
-
-
-class _Contract:
-    def claims_bitwise(self, a: str, b: str) -> bool:
-        return True
-
-
-@pytest.mark.parametrize(
-    ("mode", "contract", "expected"),
-    [("sync", _Contract(), True), ("sync", _NoContract(), False), ("async", _NoContract(), True)],
-)
-def test_the_ppo_reference_is_the_prefill_stream_whenever_the_trainer_is_ahead(
-    mode: str, contract: Any, expected: bool
-) -> None:
-    """Async: the trainer's scoring forward would be the trainer before the batch, not the weights that
-    generated the tokens, so the prefill stream (at the sequence's own version) is the reference."""
-    run = RunConfig(sync=SyncConfig(mode=mode))
-    assert prefill_is_old_policy(run, contract) is expected
 
 
 # -- end to end ---------------------------------------------------------------------------------------

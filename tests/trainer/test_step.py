@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from rlfw.algos import CorrectionConfig
+from rlfw.algos import CorrectionConfig, Reference
 from rlfw.model import Transformer, build_preset
-from rlfw.rollout.engine import NativeEngine
-from rlfw.rollout.sampling import Transforms
-from rlfw.trainer.batch import collate
+from rlfw.model.distribution import Transforms
+from rlfw.rollout.native import NativeEngine
+from rlfw.train.collate import collate
 from rlfw.trainer.step import PPOSpec, StepSpec, train_step
 from rlfw.types import GenerationRequest, TrainBatch
 
@@ -50,8 +50,10 @@ def _batch(preset: str = "tiny_dense", token_rewards: bool = False) -> tuple[Tra
     return model.train(), collate(samples, advantages, token_rewards=token_rewards)
 
 
-def _spec(micro: int, prefill_as_old: bool = True, name: str = "tis", ppo: PPOSpec | None = None) -> StepSpec:
-    return StepSpec(Transforms(), CorrectionConfig(name=name, topk=4), micro, prefill_as_old, False, ppo)
+def _spec(
+    micro: int, reference: Reference = "prefill", name: str = "tis", ppo: PPOSpec | None = None
+) -> StepSpec:
+    return StepSpec(Transforms(), CorrectionConfig(name=name), micro, reference, False, ppo)
 
 
 @pytest.mark.parametrize("name", ["tis", "centering", "ppo_sampler"])
@@ -71,12 +73,8 @@ def test_prefill_stream_as_old_policy_equals_the_trainers_own_scoring_forward() 
     """Under the contract the shortcut is not an approximation: same reference, same gradient."""
     model, batch = _batch()
     skip, score = PlainBackend(model), PlainBackend(model)
-    a = train_step(
-        skip, model, batch, _spec(6, prefill_as_old=True, name="ppo_sampler"), batch.num_tokens, len(batch)
-    )
-    b = train_step(
-        score, model, batch, _spec(6, prefill_as_old=False, name="ppo_sampler"), batch.num_tokens, len(batch)
-    )
+    a = train_step(skip, model, batch, _spec(6, "prefill", name="ppo_sampler"), batch.num_tokens, len(batch))
+    b = train_step(score, model, batch, _spec(6, "score", name="ppo_sampler"), batch.num_tokens, len(batch))
     m = batch.mask  # the prefill stream exists on response tokens only
     assert torch.equal(a.old_logp[m].view(torch.int32), b.old_logp[m].view(torch.int32))
     for k, g in skip.grads.items():

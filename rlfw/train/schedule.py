@@ -1,7 +1,7 @@
 """The bookkeeping of asynchronous training (``sync.mode=async``): versions, the staleness bound, resyncs.
 
 Pure and Ray-free, so the rules that decide which samples are trained on and when weights move are
-tested without a cluster. The driver loop that uses them is :mod:`rlfw.train_async`.
+tested without a cluster. The driver loop that uses them is :mod:`rlfw.train.async_loop`.
 """
 
 from __future__ import annotations

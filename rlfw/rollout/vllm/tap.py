@@ -4,7 +4,7 @@ vLLM returns one log-prob mode per engine; rlfw runs it in ``processed_logprobs`
 back with each token is the sampler's log-prob (mu) after vLLM's own temperature, top-k, top-p and
 min-p. The decode stream (s^D) needs the *raw* decode logits of the same step with rlfw's transforms
 replayed on them. :class:`DecodeTap` is a vLLM logits processor that sees every step's logits before
-vLLM's sampling transforms, replays :func:`~rlfw.rollout.sampling.process_logits` on each tracked row
+vLLM's sampling transforms, replays :func:`~rlfw.model.distribution.process_logits` on each tracked row
 and keeps it until the sampled token is known (one step later, or when the request leaves the batch),
 then stores that token's log-prob. Memory: one processed row per running request.
 
@@ -25,7 +25,7 @@ from torch import Tensor
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from rlfw.kernels import get_ops
-from rlfw.rollout.sampling import Transforms, process_logits
+from rlfw.model.distribution import Transforms, process_logits
 
 TAP_KEY = "rlfw_tap"
 

@@ -10,7 +10,7 @@ localises what still differs.
 
 Registration: the ``vllm.general_plugins`` entry point ``rlfw`` calls :func:`register` in every process
 vLLM starts; a checkpoint selects the model with ``hf_overrides={"architectures": [ARCHITECTURE],
-"rlfw_kernels": "invariant"}`` (the engine does this for ``engine.vllm_model=rlfw``).
+"rlfw_kernels": "invariant"}`` (the engine does this for ``engine.vllm.model=rlfw``).
 """
 
 from __future__ import annotations

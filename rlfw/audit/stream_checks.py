@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 from rlfw.model import Transformer
-from rlfw.rollout.engine import NativeEngine
-from rlfw.rollout.sampling import Transforms, draw, process_logits, step_seed
+from rlfw.model.distribution import Transforms, process_logits
+from rlfw.rollout.native import NativeEngine
+from rlfw.rollout.sampling import draw, step_seed
 from rlfw.types import GenerationRequest, Sample
 
 

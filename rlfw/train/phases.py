@@ -1,0 +1,116 @@
+"""The phases of one training step, shared by the synchronous loop (:mod:`rlfw.train.sync_loop`) and the
+asynchronous one (:mod:`rlfw.train.async_loop`): the step's prompts, and the step body that scores the
+samples, drops the too-stale, builds the batch and trains on it."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlfw.config import RunConfig
+from rlfw.distributed.groups import RolloutGroup, TrainerGroup
+from rlfw.logging.logger import RunLogger
+from rlfw.tasks.base import Problem
+from rlfw.tasks.rewards import score
+from rlfw.train.checkpoint import EngineWeights, checkpoint_due, save_checkpoint
+from rlfw.train.collate import make_batch
+from rlfw.train.schedule import split_stale
+from rlfw.train.setup import Setup
+from rlfw.train.state import RunState
+from rlfw.types import GenerationRequest, Sample, TrainBatch, TrainResult
+
+log = logging.getLogger("rlfw.train")
+
+
+@dataclass
+class Driver:
+    """What a step loop drives. ``state`` is where the run stands after its last completed step; the loop
+    updates it after every step, so an interrupt checkpoints exactly what was completed."""
+
+    run: RunConfig
+    setup: Setup
+    rollout: RolloutGroup
+    trainer: TrainerGroup
+    weights: EngineWeights
+    logger: RunLogger
+    run_dir: Path
+    state: RunState
+
+    def checkpoint(self) -> None:
+        save_checkpoint(self.run_dir, self.trainer, self.weights, self.state)
+
+    def checkpoint_if_due(self, step: int) -> None:
+        if checkpoint_due(self.run.trainer.checkpoint_every, self.run.trainer.steps, step):
+            self.checkpoint()
+
+
+def step_prompts(d: Driver, step: int) -> tuple[list[Problem], GenerationRequest]:
+    """Step ``step``'s problems and their generation request. Both depend only on (run seed, step), so a
+    resumed or resubmitted step draws the same prompts and the same samples."""
+    run, setup = d.run, d.setup
+    problems = setup.task.sample(run.algo.prompts_per_step, random.Random(f"{run.seed}:{step}"))
+    prompts = [torch.tensor(setup.tokenizer(p.prompt, add_special_tokens=False).input_ids) for p in problems]
+    seed = (run.seed * 1_000_003 + step) % 2**31
+    request = GenerationRequest(
+        list(range(len(problems))), prompts, run.algo.group_size, run.engine.max_new_tokens, seed
+    )
+    return problems, request
+
+
+@dataclass
+class Trained:
+    """What one step's body produced: the samples generated, the batch trained on, the trainer's result."""
+
+    samples: list[Sample]
+    batch: TrainBatch
+    result: TrainResult
+    failed_rewards: int
+    dropped_stale: int
+    reward_s: float  # scoring and batch building
+    train_s: float
+
+
+def train_on(
+    d: Driver, step: int, problems: list[Problem], samples: list[Sample], trainer_version: int
+) -> Trained | None:
+    """Score the samples, drop those drawn more than ``sync.max_staleness`` versions before
+    ``trainer_version`` (none in sync mode, where every token is at the trainer's version), build the batch
+    and take one optimizer step on it. ``None`` when too few samples are left to train (said in the log)."""
+    run = d.run
+    t0 = time.perf_counter()
+    failed = reward(d.setup, problems, samples)
+    kept, dropped = split_stale(samples, trainer_version, run.sync.max_staleness)
+    batch = make_batch(kept, run.algo.name, run.algo.std_scaling, run.algo.leave_one_out)
+    if len(batch) < run.trainer.num_ranks:  # every rank needs a row
+        log.warning(
+            "step %d: %d of %d rewards failed or were dropped; too few samples left, step skipped",
+            step,
+            failed,
+            len(samples),
+        )
+        return None
+    t1 = time.perf_counter()
+    result = d.trainer.train(batch)
+    t2 = time.perf_counter()
+    return Trained(samples, batch, result, failed, len(dropped), t1 - t0, t2 - t1)
+
+
+def reward(setup: Setup, problems: list[Problem], samples: list[Sample]) -> int:
+    """Decode each response and score it; failed reward calls leave ``reward=None`` (dropped later)."""
+    texts = [decode_response(setup, s) for s in samples]
+    result = score(setup.task, [problems[s.prompt_id] for s in samples], texts)
+    for s, r in zip(samples, result.rewards, strict=True):
+        s.reward = r
+    return result.num_failed
+
+
+def decode_response(setup: Setup, sample: Sample) -> str:
+    ids = sample.response_T.tolist()
+    if sample.finish_reason == "stop" and ids and ids[-1] in setup.stop_ids:
+        ids = ids[:-1]
+    return str(setup.tokenizer.decode(ids, skip_special_tokens=True))

@@ -1,0 +1,79 @@
+"""``rlfw train``: place the two pools, build the rollout and trainer groups, then run the step loop.
+
+The loops themselves are :func:`rlfw.train.sync_loop.sync_steps` (``sync.mode=sync``) and
+:func:`rlfw.train.async_loop.async_steps` (``sync.mode=async``); both run on the same pools.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+
+import ray
+
+from rlfw.compose import to_yaml
+from rlfw.config import RunConfig
+from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool
+from rlfw.distributed.groups import RolloutGroup, TrainerGroup
+from rlfw.distributed.weight_sync import make_sync
+from rlfw.logging.logger import RunLogger
+from rlfw.train.async_loop import async_steps
+from rlfw.train.checkpoint import EngineWeights, restore
+from rlfw.train.phases import Driver
+from rlfw.train.setup import build_setup, optim_config, step_spec
+from rlfw.train.state import RunState, make_run_dir
+from rlfw.train.sync_loop import sync_steps
+
+log = logging.getLogger("rlfw.train")
+
+
+def train(run: RunConfig) -> int:
+    """Run ``run`` to its last step; returns the exit code (130 after Ctrl-C, with a checkpoint saved)."""
+    if run.sync.mode == "sync" and run.engine.in_flight:
+        log.warning(
+            "engine.in_flight=true has no effect with sync.mode=sync: weights move only between steps"
+        )
+    run_dir = make_run_dir(run.logger.run_root, run.logger.run_name, run.resume)
+    (run_dir / "config.yaml").write_text(to_yaml(run))
+    setup = build_setup(run, run_dir)
+    init_ray(run.engine.num_actors, run.trainer.num_ranks, run.ray_address)
+    rollout = RolloutGroup(
+        make_pool(ROLLOUT, run.engine.num_actors),
+        setup.model,
+        run.engine,
+        setup.stop_ids,
+        setup.contract.hash,
+    )
+    trainer = TrainerGroup(
+        make_pool(TRAINER, run.trainer.num_ranks), setup.model, optim_config(run), step_spec(run, setup)
+    )
+    weights = EngineWeights(make_sync(run.sync.transport), trainer, rollout, setup.contract.hash)
+    state = (
+        restore(run_dir, trainer, weights) if run.resume else RunState(step=-1, version=0, tag="", resyncs=0)
+    )
+    logger = RunLogger(
+        run_dir,
+        run.logger.wandb,
+        run.logger.wandb_mode,
+        run.logger.project,
+        run_dir.name,
+        {"run": asdict(run)},
+        resume_from_step=state.step + 1 if run.resume else None,
+    )
+    driver = Driver(run, setup, rollout, trainer, weights, logger, run_dir, state)
+    code = 0
+    try:
+        if run.sync.mode == "async":
+            async_steps(driver)
+        else:
+            sync_steps(driver)
+    except KeyboardInterrupt:
+        log.warning("interrupted: saving a checkpoint at step %d before exiting", driver.state.step)
+        if driver.state.step >= 0:
+            driver.checkpoint()
+        code = 130
+    finally:
+        logger.close()
+        trainer.shutdown()
+        ray.shutdown()
+    return code

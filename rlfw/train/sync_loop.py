@@ -1,0 +1,41 @@
+"""``sync.mode=sync``: generate with version v, score, train, publish v + 1. Every step is on-policy."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from rlfw.logging.progress import progress
+from rlfw.train.phases import Driver, step_prompts, train_on
+from rlfw.train.report import StepTimes, step_report
+from rlfw.train.state import RunState
+
+log = logging.getLogger("rlfw.train")
+
+
+def sync_steps(d: Driver) -> None:
+    """Each line of the loop is one phase of the algorithm; the details live one level down."""
+    run = d.run
+    for step in progress(range(d.state.step + 1, run.trainer.steps), desc="rl steps"):
+        state = d.state
+        t0 = time.perf_counter()
+        problems, request = step_prompts(d, step)
+        samples = d.rollout.generate(request)  # generate with version v
+        t1 = time.perf_counter()
+        trained = train_on(d, step, problems, samples, state.version)  # score, train
+        if trained is None:
+            continue
+        t3 = time.perf_counter()
+        d.weights.publish(state.version + 1)  # publish v + 1
+        t4 = time.perf_counter()
+        times = StepTimes(t1 - t0, trained.reward_s, trained.train_s, t4 - t3, t4 - t0)
+        metrics = step_report(trained, run.correction, state.version, state.resyncs + 1, times)
+        d.state = RunState(step, state.version + 1, state.tag, state.resyncs + 1)
+        d.weights.keep_only(d.state)
+        metrics |= {
+            "sync/engine_restarts": float(d.rollout.restarts),
+            "sync/engine_version": float(max(s.final_version for s in samples)),  # as the engines recorded it
+        }
+        d.logger.log(step, metrics)
+        log.info("step %d reward %.3f time %.2fs", step, metrics["reward/mean"], times.total)
+        d.checkpoint_if_due(step)
