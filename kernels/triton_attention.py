@@ -15,6 +15,7 @@ from torch import Tensor
 
 from rlfw.kernels.attention import KV_TILE, group_queries, ungroup
 from rlfw.kernels.triton_config import ATTN_BLOCK_R
+from rlfw.kernels.triton_dot import INTERPRETED, tile_dot
 
 
 @triton.jit
@@ -28,7 +29,7 @@ def _load_kv(ptr, b, h, slots, dd, S, D, last, stride_b, stride_s, stride_h):
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, last_ptr, o_ptr, R, S, D, HKV, n_tiles, scale,
     stride_kb, stride_ks, stride_kh,
-    TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROW_EXACT: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b = bh // HKV
@@ -48,7 +49,7 @@ def _attention_kernel(
         slots = lo + tl.arange(0, TILE)
         k = _load_kv(k_ptr, b, h, slots, dd, S, D, last, stride_kb, stride_ks, stride_kh)
         v = _load_kv(v_ptr, b, h, slots, dd, S, D, last, stride_kb, stride_ks, stride_kh)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tile_dot(q, tl.trans(k), ROW_EXACT) * scale
         s = tl.where(slots[None, :] <= pos[:, None], s, float("-inf"))
         active = pos >= lo
         m_new = tl.maximum(m, tl.max(s, axis=1) + 0.0)
@@ -56,7 +57,7 @@ def _attention_kernel(
         alpha = tl.exp(m - m_ref)
         p = tl.exp(s - m_ref[:, None])
         denom_new = denom * alpha + tl.sum(p, axis=1)
-        acc_new = acc * alpha[:, None] + (tl.dot(p, v, input_precision="ieee") + 0.0)
+        acc_new = acc * alpha[:, None] + (tile_dot(p, v, ROW_EXACT) + 0.0)
         m = tl.where(active, m_new, m)
         denom = tl.where(active, denom_new, denom)
         acc = tl.where(active[:, None], acc_new, acc)
@@ -79,6 +80,6 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale:
     _attention_kernel[grid](
         qg, k_cache, v_cache, pos, last, out, r, s_cap, d, hkv, n_tiles, scale,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        TILE=KV_TILE, BLOCK_R=ATTN_BLOCK_R, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        TILE=KV_TILE, BLOCK_R=ATTN_BLOCK_R, BLOCK_D=max(16, triton.next_power_of_2(d)), ROW_EXACT=INTERPRETED,
     )  # fmt: skip
     return ungroup(out, t).to(q.dtype)

@@ -2,8 +2,9 @@
 
 Each program owns one ``[MM_BLOCK_M, MM_BLOCK_N]`` output tile and walks K in ``MM_BLOCK_K`` steps from 0
 upwards, so an output element is reduced by the same sequence of tile products whatever the number of
-rows. Operands are widened to fp32 before ``tl.dot`` (exact for bf16; required by the interpreter, whose
-bf16 ``tl.dot`` is wrong) and ``input_precision="ieee"`` keeps CUDA from using TF32.
+rows. Operands are widened to fp32 before the tile product (exact for bf16; required by the interpreter,
+whose bf16 ``tl.dot`` is wrong); :func:`~rlfw.kernels.triton_dot.tile_dot` keeps CUDA from using TF32 and
+the interpreter from BLAS's row-dependent order.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import triton.language as tl
 from torch import Tensor
 
 from rlfw.kernels.triton_config import MM_BLOCK_K, MM_BLOCK_M, MM_BLOCK_N
+from rlfw.kernels.triton_dot import INTERPRETED, tile_dot
 
 
 @triton.jit
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_EXACT: tl.constexpr,
 ):  # fmt: skip
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -32,7 +34,7 @@ def _matmul_kernel(
         b_mask = (ks[:, None] < K) & (rn[None, :] < N)
         a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :] * stride_ak, mask=a_mask, other=0.0)
         b = tl.load(b_ptr + ks[:, None] * stride_bk + rn[None, :] * stride_bn, mask=b_mask, other=0.0)
-        acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        acc += tile_dot(a.to(tl.float32), b.to(tl.float32), ROW_EXACT)
     c_mask = (rm[:, None] < M) & (rn[None, :] < N)
     c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
@@ -46,7 +48,7 @@ def matmul(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     grid = (triton.cdiv(m, MM_BLOCK_M), triton.cdiv(n, MM_BLOCK_N))
     _matmul_kernel[grid](
         a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=MM_BLOCK_M, BLOCK_N=MM_BLOCK_N, BLOCK_K=MM_BLOCK_K,
+        BLOCK_M=MM_BLOCK_M, BLOCK_N=MM_BLOCK_N, BLOCK_K=MM_BLOCK_K, ROW_EXACT=INTERPRETED,
     )  # fmt: skip
     return c
 

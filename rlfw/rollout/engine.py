@@ -34,6 +34,10 @@ class Engine(Protocol):
         """The weight version the engine samples with now."""
         ...
 
+    def finished(self) -> bool:
+        """True when no sequence is waiting or running."""
+        ...
+
     def generate(
         self, request: GenerationRequest, *, between_steps: Callable[[Engine], None] | None = None
     ) -> list[Sample]:

@@ -69,3 +69,12 @@ def test_backward_through_triton_forward(tri: InvariantOps) -> None:
     x = torch.randn(3, 64, requires_grad=True)
     (tri.log_softmax(tri.rms_norm(x, torch.ones(64), 1e-6))[:, 0]).sum().backward()
     assert x.grad is not None and bool(torch.isfinite(x.grad).all()) and bool((x.grad != 0).any())
+
+
+def test_linear_row_result_is_the_same_at_every_position_of_a_tile(tri: InvariantOps) -> None:
+    """The interpreter's ``tl.dot`` is BLAS's matmul, whose result for a row depends on the row's index
+    within the tile; the kernels' tile product must not (``rlfw.kernels.triton_dot``)."""
+    weight, row = torch.randn(24, 70), torch.randn(1, 70)
+    alone = tri.linear(row, weight)[0]
+    for at in range(16):
+        assert_same_bits(tri.linear(embed_row(row, 16, at, seed=at), weight)[at], alone, f"row {at} of 16")

@@ -16,7 +16,7 @@ from torch import Tensor
 from rlfw.config import EngineConfig, SamplerConfig, VllmSettings
 from rlfw.model import Transformer, build_preset, save_pretrained
 from rlfw.model.distribution import Transforms, process_logits
-from rlfw.rollout.native import ContractMismatchError
+from rlfw.rollout.engine import ContractMismatchError
 from rlfw.types import GenerationRequest, Sample, WeightUpdate
 from tests.rollout._helpers import prompts
 

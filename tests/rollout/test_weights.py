@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rlfw.model.distribution import Transforms
-from rlfw.rollout.native import ContractMismatchError, NativeEngine
+from rlfw.rollout.engine import ContractMismatchError
+from rlfw.rollout.native import NativeEngine
 from rlfw.types import Sample, WeightUpdate
 from tests.rollout._helpers import PRESETS, bits, engine, model, request, same_bits, trainer_logp
 
