@@ -91,6 +91,8 @@ class EngineConfig:
     kv_policy: str = "keep"  # after an in-flight weight update: keep the stale KV cache | recompute it
     in_flight: bool = False  # weight updates may land between decode steps of unfinished sequences
     seed: int = 0  # sampling seed
+    prefill_fraction: float = 1.0  # share of sequences given the prefill stream (< 1 needs the contract)
+    ignore_eos: bool = False  # never stop at the tokenizer's eos: every response runs to max_new_tokens
     sampler: SamplerConfig = field(default_factory=SamplerConfig)  # sampling transforms and precision
     vllm: VllmSettings = field(default_factory=VllmSettings)  # engine=vllm only
 
@@ -99,6 +101,7 @@ class EngineConfig:
         check_choice("engine.kv_policy", self.kv_policy, ("keep", "recompute"))
         check_range("engine.num_actors", self.num_actors, lo=1)
         check_range("engine.max_new_tokens", self.max_new_tokens, lo=1)
+        check_range("engine.prefill_fraction", self.prefill_fraction, lo=0.0, hi=1.0)
         if self.name == "vllm" and self.sampler.precision != "fp32":
             raise ConfigError(
                 f"engine=vllm samples from fp32 logits; engine.sampler.precision={self.sampler.precision!r} "

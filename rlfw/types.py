@@ -25,6 +25,8 @@ class Sample:
     Log-probs are fp32 and of the *processed* distribution (after the declared sampling transforms).
     A token a reduced-precision sampler drew outside the decode path's kept set (a top-k/top-p
     boundary moved) has ``decode_logp``/``prefill_logp`` ``-inf``: reported, never clamped.
+    ``prefilled`` is False when the engine skipped the prefill stream for this sequence
+    (``engine.prefill_fraction < 1``); ``prefill_logp`` is then NaN everywhere, a marker, not a value.
     ``routed_experts[p]`` are the ids used when position ``p`` was fed to the model (prompt prefill or
     decode step; after an in-flight ``kv_policy=recompute`` update, the re-prefill's); the last
     response token, which no decode step feeds, takes the ids of the final prefill.
@@ -46,6 +48,7 @@ class Sample:
     routed_experts: Tensor | None = None  # int64 [P + T, n_moe_layers, k] expert ids (MoE), for R3
     trainer_logp: Tensor | None = None  # q: filled in by the trainer
     reward: float | None = None  # filled in by the task's reward function
+    prefilled: bool = True  # the prefill stream was computed (see engine.prefill_fraction)
 
     def __post_init__(self) -> None:
         n = self.response_T.shape[0]
@@ -96,6 +99,7 @@ class SampleBatch:
 
     prompt_ids: list[int]
     sample_indices: list[int]
+    prefilled: list[bool]
     finish_reasons: list[str]
     final_versions: list[int]
     prompt_lens: list[int]
@@ -110,6 +114,7 @@ class SampleBatch:
         return cls(
             prompt_ids=[s.prompt_id for s in samples],
             sample_indices=[s.sample_index for s in samples],
+            prefilled=[s.prefilled for s in samples],
             finish_reasons=[s.finish_reason for s in samples],
             final_versions=[s.final_version for s in samples],
             prompt_lens=[s.prompt_P.shape[0] for s in samples],
@@ -128,6 +133,7 @@ class SampleBatch:
             Sample(
                 prompt_id=self.prompt_ids[i],
                 sample_index=self.sample_indices[i],
+                prefilled=self.prefilled[i],
                 prompt_P=prompts[i],
                 finish_reason=self.finish_reasons[i],
                 final_version=self.final_versions[i],
@@ -188,6 +194,7 @@ class TrainBatch:
     topk_logp: Tensor  # fp32 [B, L-1, K]
     routed_experts: Tensor | None  # int64 [B, L, n_moe_layers, k] for R3, None for dense models
     rewards: Tensor | None = None  # fp32 [B, L-1] PPO: the sample's reward at its last response token
+    prefilled: Tensor | None = None  # bool [B, L-1]: the token has a prefill value; None: every token has
 
     @property
     def num_tokens(self) -> int:

@@ -38,7 +38,7 @@ from rlfw.rollout.engine import Engine, accept_update
 from rlfw.rollout.forward import ForwardCounts, forward_rows, refill_rows
 from rlfw.rollout.prefix import PrefixKV, empty_prefix
 from rlfw.rollout.requests import expand_request
-from rlfw.rollout.sampling import PRECISIONS, draw, step_seed
+from rlfw.rollout.sampling import PRECISIONS, draw, gets_prefill, step_seed
 from rlfw.rollout.sequence import Sequence
 from rlfw.rollout.slots import SlotPool
 from rlfw.rollout.streams import next_token_logits, response_logp, token_streams
@@ -76,6 +76,7 @@ class NativeEngine:
         in_flight: bool = False,
         contract_hash: str = "",
         version: int = 0,
+        prefill_fraction: float = 1.0,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"sampler.precision={precision!r}; allowed: {', '.join(PRECISIONS)}")
@@ -83,6 +84,10 @@ class NativeEngine:
             raise ValueError(f"engine.kv_policy={kv_policy!r}; allowed: {', '.join(KV_POLICIES)}")
         if max_model_len < 2:
             raise ValueError(f"engine.max_model_len={max_model_len} must hold a prompt and a response")
+        if prefill_fraction < 1.0 and model.args.is_moe:
+            raise ValueError(
+                "engine.prefill_fraction < 1: MoE models need every prefill (last token's experts)"
+            )
         self.model = model
         self.transforms, self.precision, self.kv_policy = transforms, precision, kv_policy
         self.stop_ids, self.seed, self.topk_logprobs = set(stop_ids), seed, topk_logprobs
@@ -93,6 +98,7 @@ class NativeEngine:
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.counts = ForwardCounts()
         self._version = version
+        self.prefill_fraction = prefill_fraction
 
     @classmethod
     def from_config(
@@ -119,6 +125,7 @@ class NativeEngine:
             engine_cfg.kv_policy,
             in_flight=engine_cfg.in_flight,
             contract_hash=contract_hash,
+            prefill_fraction=engine_cfg.prefill_fraction,
         )
 
     @property
@@ -237,10 +244,24 @@ class NativeEngine:
     # -- retiring --------------------------------------------------------------------------------------
 
     def _retire(self) -> list[Sample]:
-        """Score each finished sequence with one prefill forward at the current version; free its slot."""
+        """Score each finished sequence with one prefill forward at the current version (only those
+        :func:`~rlfw.rollout.sampling.gets_prefill` picks when ``prefill_fraction < 1``; the others are
+        marked ``prefilled=False``); free its slot."""
         done = [self.running[slot] for slot in sorted(self.running) if self.running[slot].finish_reason]
         if not done:
             return []
+        scored = [s for s in done if gets_prefill(s.seed, s.prompt_id, s.sample_index, self.prefill_fraction)]
+        samples = self._score(scored) if scored else []
+        scored_ids = {id(s) for s in scored}
+        for seq in done:
+            if id(seq) not in scored_ids:
+                nan = torch.full((len(seq.response),), float("nan"))
+                samples.append(seq.to_sample(nan, None, self._version, prefilled=False))
+            del self.running[seq.slot]
+            self.slots.release(seq.slot)
+        return samples
+
+    def _score(self, done: list[Sequence]) -> list[Sample]:
         rows = [s.tokens for s in done]
         hidden, routing = refill_rows(self.model, rows, self.cache, [s.slot for s in done])
         self._count(rows, "score_tokens")
@@ -251,8 +272,6 @@ class NativeEngine:
             prefill = response_logp(self.model, hidden[i, :n], p, response, self.transforms)
             last = None if routing is None else routing[i, n - 1 : n]
             samples.append(seq.to_sample(prefill, last, self._version))
-            del self.running[seq.slot]
-            self.slots.release(seq.slot)
         return samples
 
     # -- weights ---------------------------------------------------------------------------------------

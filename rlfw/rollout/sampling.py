@@ -68,6 +68,14 @@ def draw(processed: Tensor, seeds: Tensor) -> Tensor:
     return torch.argmax(processed + gumbel_noise(seeds, processed.shape[-1]).to(processed.device), dim=-1)
 
 
+def gets_prefill(seed: int, prompt_id: int, sample_index: int, fraction: float) -> bool:
+    """Whether a sequence is rescored for the prefill stream under ``engine.prefill_fraction``: a draw
+    from (round seed, prompt, sample) alone, so the choice is the same in every engine, batch and actor."""
+    if fraction >= 1.0:
+        return True
+    return step_seed(seed ^ 0x5EED, prompt_id, sample_index) / 2**63 < fraction
+
+
 def step_seed(seed: int, sequence_id: int, step: int) -> int:
     """A 63-bit seed for one draw, mixing the run seed, the sequence and the step (splitmix64)."""
     z = (seed * 0x9E3779B97F4A7C15 + sequence_id * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) % 2**64

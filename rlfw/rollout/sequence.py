@@ -102,7 +102,9 @@ class Sequence:
             return "stop"
         return "length" if len(self.response) >= self.max_len else None
 
-    def to_sample(self, prefill_logp: Tensor, last_routing: Tensor | None, final_version: int) -> Sample:
+    def to_sample(
+        self, prefill_logp: Tensor, last_routing: Tensor | None, final_version: int, prefilled: bool = True
+    ) -> Sample:
         """The record that leaves the engine; ``last_routing [1, L, k]`` covers the last response token,
         which no decode step fed."""
         device = self.prompt_P.device
@@ -124,4 +126,5 @@ class Sequence:
             finish_reason=self.finish_reason or "length",
             final_version=final_version,
             routed_experts=routed,
+            prefilled=prefilled,
         )

@@ -82,8 +82,17 @@ def collate(samples: list[Sample], advantages: list[float], token_rewards: bool 
         topk_logp=topk_logp,
         routed_experts=routed,
         rewards=_terminal_rewards(samples, width) if token_rewards else None,
+        prefilled=_prefilled(samples, mask),
         **per_token,
     )
+
+
+def _prefilled(samples: list[Sample], mask: Tensor) -> Tensor | None:
+    """``[B, L-1]`` True on response tokens whose sequence has a prefill value; None when all have one."""
+    if all(s.prefilled for s in samples):
+        return None
+    rows = torch.tensor([s.prefilled for s in samples], dtype=torch.bool)
+    return mask & rows[:, None]
 
 
 def _terminal_rewards(samples: list[Sample], width: int) -> Tensor:

@@ -51,11 +51,20 @@ def step_report(
     tokens = sum(s.response_T.shape[0] for s in samples)
     report: dict[str, float | Tensor] = {}
     report |= ratio_factors(batch, result.trainer_logp, result.old_logp, correction)
+    report["ratio/prefill_coverage"] = prefill_coverage(batch)
     report |= result.scalars
     report |= reward_metrics(samples, trained.failed_rewards)
     report |= sync_metrics(batch, trainer_version, resyncs)
     report |= time_metrics(tokens, len(samples), times.generate, times)
     return report
+
+
+def prefill_coverage(batch: TrainBatch) -> float:
+    """Share of trained tokens whose sequence has a prefill value (``engine.prefill_fraction``); on the
+    others the trainer factor is measured against the decode stream and the decode factor is 1."""
+    if batch.prefilled is None:
+        return 1.0
+    return float(batch.prefilled.sum()) / max(batch.num_tokens, 1)
 
 
 def ratio_factors(

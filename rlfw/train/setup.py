@@ -20,6 +20,7 @@ from rlfw.tokenizer import build_tiny_tokenizer, check_vocab, load_tokenizer
 from rlfw.train.warm_start import WarmStart, cached_warm_start
 from rlfw.trainer.deepspeed_backend import OptimConfig
 from rlfw.trainer.step import PPOSpec, StepSpec
+from rlfw.validation import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,31 @@ def build_setup(run: RunConfig, run_dir: Path) -> Setup:
         run.engine.vllm.model,
     )
     (run_dir / "contract.json").write_text(json.dumps(contract.to_dict(), indent=2))
-    stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    check_prefill_fraction(run.engine.prefill_fraction, contract, model.args.is_moe)
+    stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None and not run.engine.ignore_eos else []
     return Setup(spec, tok, task, t, contract, stop_ids)
+
+
+def check_prefill_fraction(fraction: float, contract: ExecutionContract, is_moe: bool) -> None:
+    """Skipping the prefill stream for some sequences is safe only where it would have measured nothing:
+    the contract claims trainer scoring, engine prefill and engine decode bitwise equal, so the decode
+    stream stands in for both to the bit. MoE needs every prefill (it records the last token's experts)."""
+    if fraction >= 1.0:
+        return
+    holds = contract.claims_bitwise("trainer_score", "engine_prefill") and contract.claims_bitwise(
+        "engine_prefill", "engine_decode"
+    )
+    if not holds:
+        raise ConfigError(
+            f"engine.prefill_fraction={fraction} skips the prefill stream, which this run's execution "
+            f"contract ({contract.hash}) does not claim equal to the decode stream and the trainer; use "
+            "engine.prefill_fraction=1, or kernels=invariant with the built-in engine and an fp32 model"
+        )
+    if is_moe:
+        raise ConfigError(
+            f"engine.prefill_fraction={fraction}: MoE models record the last token's experts in the prefill "
+            "stream; use engine.prefill_fraction=1"
+        )
 
 
 def optim_config(run: RunConfig) -> OptimConfig:
@@ -100,6 +124,7 @@ def step_spec(run: RunConfig, setup: Setup) -> StepSpec:
         async_mode=run.sync.mode == "async",
         in_flight=run.engine.in_flight,
         trainer_prefill_bitwise=setup.contract.claims_bitwise("trainer_score", "engine_prefill"),
+        prefill_everywhere=run.engine.prefill_fraction >= 1.0,
     )
     log.info("PPO reference is the %s", REFERENCE_WHY[reference])
     ppo = PPOSpec(run.algo.gamma, run.algo.lam, run.algo.value_coef) if run.algo.name == "ppo" else None
@@ -114,7 +139,8 @@ def step_spec(run: RunConfig, setup: Setup) -> StepSpec:
 
 
 REFERENCE_WHY: dict[Reference, str] = {
-    "decode": "decode stream, at each token's own version (in-flight updates)",
+    "decode": "decode stream, at each token's own version (in-flight updates, or a prefill stream on only "
+    "some sequences)",
     "prefill": "prefill stream at each sequence's own version; the trainer's scoring forward is skipped "
     "(async, or the execution contract claims trainer scoring == engine prefill bitwise)",
     "score": "trainer's own scoring forward (the execution contract does not claim trainer~prefill bit "

@@ -140,12 +140,19 @@ def loss_inputs(
     mb: TrainBatch, q: Tensor, q_topk: Tensor | None, old: Tensor, num_tokens: int, num_sequences: int
 ) -> LossInputs:
     """The loss's view of a (micro-)batch: its streams, the trainer's log-probs ``q`` and the reference
-    ``old`` (all ``[B, L-1]``), the trainer's top-k head when the correction reads it, global counts."""
+    ``old`` (all ``[B, L-1]``), the trainer's top-k head when the correction reads it, global counts.
+
+    A token without a prefill value (``engine.prefill_fraction < 1``, allowed only where the contract
+    claims prefill and decode bitwise equal) takes its decode value there: the same bits, so its trainer
+    factor is measured against the decode stream and its decode factor is exactly 1."""
+    prefill = mb.prefill_logp
+    if mb.prefilled is not None:
+        prefill = torch.where(mb.prefilled | ~mb.mask, prefill, mb.decode_logp)
     return LossInputs(
         trainer_logp=q,
         sampler_logp=mb.sampler_logp,
         decode_logp=mb.decode_logp,
-        prefill_logp=mb.prefill_logp,
+        prefill_logp=prefill,
         advantages=mb.advantages,
         mask=mb.mask,
         num_tokens=num_tokens,

@@ -34,3 +34,13 @@ def test_the_reference_follows_who_holds_the_generating_weights(
 ) -> None:
     got = ppo_reference(async_mode=async_mode, in_flight=in_flight, trainer_prefill_bitwise=bitwise)
     assert got == expected and got in REFERENCES
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_a_prefill_stream_on_some_sequences_only_makes_decode_the_reference(async_mode: bool) -> None:
+    """``engine.prefill_fraction < 1`` (allowed only under the contract): the prefill stream is missing on
+    some sequences; the decode stream, bitwise equal there, is the reference everywhere."""
+    got = ppo_reference(
+        async_mode=async_mode, in_flight=False, trainer_prefill_bitwise=True, prefill_everywhere=False
+    )
+    assert got == "decode"

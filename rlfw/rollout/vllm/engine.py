@@ -39,7 +39,7 @@ from torch import Tensor
 
 from rlfw.model.distribution import Transforms, process_logits
 from rlfw.rollout.engine import Engine, accept_update
-from rlfw.rollout.sampling import step_seed
+from rlfw.rollout.sampling import gets_prefill, step_seed
 from rlfw.rollout.vllm.checks import check_checkpoint, check_reloadable, require_vllm
 from rlfw.types import GenerationRequest, Sample, WeightUpdate
 
@@ -112,6 +112,7 @@ class VllmEngine:
         self.kernels, self.model_impl = kernels, engine_cfg.vllm.model
         self.stop_ids, self.seed, self.topk = list(stop_ids), engine_cfg.seed, s.topk_logprobs
         self.max_model_len = engine_cfg.max_model_len
+        self.prefill_fraction = engine_cfg.prefill_fraction
         self.contract_hash, self._version = contract_hash, version
         self.id = uuid.uuid4().hex  # this engine's records in the tap
         self.rounds = 0
@@ -189,7 +190,13 @@ class VllmEngine:
                 tracked = records.pop((f"{tag}:{pid}", p.seed + c.index))
                 tracked.resolve()
                 samples.append(self._sample(pid, c, prompt, tracked.logp))
-        self._rescore(samples)
+        chosen = [
+            s for s in samples if gets_prefill(seed, s.prompt_id, s.sample_index, self.prefill_fraction)
+        ]
+        for s in samples:
+            if not gets_prefill(seed, s.prompt_id, s.sample_index, self.prefill_fraction):
+                s.prefill_logp, s.prefilled = torch.full_like(s.prefill_logp, float("nan")), False
+        self._rescore(chosen)
         return samples
 
     def _seed(self, seed: int, prompt_id: int) -> int:
