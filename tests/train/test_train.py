@@ -57,7 +57,7 @@ def test_trainer_decode_and_sampler_factors_are_exactly_zero_under_the_contract(
         for factor in ("trainer", "decode", "sampler", "total", "lag"):
             assert _factor(row, factor) == 0.0, (row["step"], factor)
         assert row["ess/total"] == 1.0 and row["sync/staleness_mean"] == 0.0
-    assert "prefill stream is the old-policy log-prob" in default_run.log
+    assert "PPO reference is the prefill stream" in default_run.log
 
 
 @pytest.mark.slow
