@@ -8,7 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rlfw.kernels import attention, matmul, reduce, router
+
+
+def _linear_record(backend: str) -> dict[str, Any]:
+    from rlfw.kernels import triton_config as tc
+
+    common = {"split_k": False, "accumulate": "fp32", "bf16_operands": "widened_to_fp32_round_once"}
+    if backend == "triton":
+        blocks = {"row_block": tc.MM_BLOCK_M, "col_block": tc.MM_BLOCK_N, "k_tile": tc.MM_BLOCK_K}
+        return {"impl": "triton_tiled_matmul", **blocks, **common}
+    if not torch.cuda.is_available():  # CPU tensors: the compiled kernel (kernels/csrc/linear.cpp)
+        return {"impl": "cpp_fma_chain", "order": "one fma per k, ascending, from +0", **common}
+    blocks = {"row_block": matmul.ROW_BLOCK, "col_block": None, "k_tile": matmul.K_TILE}
+    return {"impl": "torch_row_block_matmul", **blocks, **common}
 
 
 def describe_invariant(backend: str) -> dict[str, Any]:
@@ -19,15 +34,7 @@ def describe_invariant(backend: str) -> dict[str, Any]:
     return {
         "name": "invariant",
         "backend": backend,
-        "linear": {
-            "impl": "triton_tiled_matmul" if triton_like else "torch_row_block_matmul",
-            "row_block": tc.MM_BLOCK_M if triton_like else matmul.ROW_BLOCK,
-            "col_block": tc.MM_BLOCK_N if triton_like else None,
-            "k_tile": tc.MM_BLOCK_K if triton_like else matmul.K_TILE,
-            "split_k": False,
-            "accumulate": "fp32",
-            "bf16_operands": "widened_to_fp32_round_once",
-        },
+        "linear": _linear_record(backend),
         "rms_norm": {
             "impl": "triton_row" if triton_like else "torch_row",
             "accumulate": "fp32",

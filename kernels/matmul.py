@@ -1,4 +1,10 @@
-"""Batch-invariant matmul on the exact torch path.
+"""Batch-invariant matmul: the fixed-order C++ kernel on CPU, BLAS with fixed tiles elsewhere.
+
+On CPU tensors :func:`linear` runs :mod:`rlfw.kernels.cpu_native`'s kernel, which reduces every output
+element in one order of its own (see ``kernels/csrc/linear.cpp``): no padding, no K tiles, and no
+dependence on the BLAS library's shape-specific paths (its narrow-output kernels broke invariance for
+outputs 2-11 wide with an inner size not a multiple of 4). On other devices, and for the attention's
+score and value products, the BLAS path below stays.
 
 Measured on CPU (torch 2.13, MKL): ``F.linear`` in fp32 gives a row different bits when it is alone
 (a GEMV) than inside a batch, and with two threads the blocked GEMM splits long reductions differently
@@ -20,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlfw.kernels import cpu_native
+
 ROW_BLOCK = 16
 K_TILE = 256
 
@@ -37,11 +45,20 @@ def k_tiled_matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``x [..., K] @ weight[N, K].T -> [..., N]`` in ``x.dtype``, fp32 accumulation, invariant rows.
+    """``x [..., K] @ weight[N, K].T -> [..., N]`` in ``x.dtype``, fp32 accumulation, invariant rows."""
+    if x.device.type != "cpu":
+        return blas_linear(x, weight)
+    rows = x.reshape(-1, x.shape[-1])
+    rows = rows.float() if rows.dtype != torch.float32 else rows
+    w = weight.float() if weight.dtype != torch.float32 else weight
+    out = cpu_native.module().linear(rows.contiguous(), w.contiguous())
+    out = out.view(*x.shape[:-1], w.shape[0])
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
-    The rows are one 2-D GEMM (``M`` padded to a multiple of 16) against the transposed weight;
-    ``F.linear`` on 2-D fp32 operands is that GEMM.
-    """
+
+def blas_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """The BLAS path: rows as one 2-D GEMM (``M`` padded to a multiple of 16) against the transposed
+    weight, K in fixed tiles; ``F.linear`` on 2-D fp32 operands is that GEMM."""
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
     if rows.dtype != torch.float32:

@@ -35,3 +35,7 @@ export WANDB_MODE="${WANDB_MODE:-offline}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 export VLLM_LOGGING_STREAM="${VLLM_LOGGING_STREAM:-ext://sys.stderr}"  # stdout carries rlfw's own output
+
+# The C++ CPU kernels (kernels/csrc) compile once per machine into TORCH_EXTENSIONS_DIR; build them here
+# so that no run or test pays for the first build (a no-op when the cached build is current).
+"$VENV/bin/python" -c "from rlfw.kernels import cpu_native; cpu_native.module()"

@@ -96,6 +96,24 @@ def test_records_streams_and_groups(engine: VllmEngine, ckpts: dict[str, tuple[T
     assert all(torch.equal(a.response_T, b.response_T) for a, b in zip(alone, samples[3:], strict=True))
 
 
+def test_prefill_fraction_rescores_only_the_chosen_sequences(engine: VllmEngine) -> None:
+    req = GenerationRequest([21, 22, 23], prompts([6, 8, 4]), n=4, max_new_tokens=8, seed=9)
+    full = engine.generate(req)
+    engine.prefill_fraction = 0.5
+    try:
+        half = engine.generate(req)
+    finally:
+        engine.prefill_fraction = 1.0
+    chosen = [gets_prefill(9, s.prompt_id, s.sample_index, 0.5) for s in half]
+    assert 0 < sum(chosen) < len(half)
+    for a, b, keep in zip(full, half, chosen, strict=True):
+        assert torch.equal(a.response_T, b.response_T) and torch.equal(a.sampler_logp, b.sampler_logp)
+        assert b.prefilled is keep
+        assert (
+            torch.equal(a.prefill_logp, b.prefill_logp) if keep else bool(torch.isnan(b.prefill_logp).all())
+        )
+
+
 def test_decode_stream_replays_the_transforms_on_raw_logits(
     engine: VllmEngine, ckpts: dict[str, tuple[Transformer, Path]]
 ) -> None:
@@ -198,21 +216,3 @@ def test_the_entry_point_registers_the_shared_model_in_vllm() -> None:
     (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "rlfw"]
     plugin.load()()  # what vLLM does in every process it starts
     assert "RlfwForCausalLM" in ModelRegistry.get_supported_archs()
-
-
-def test_prefill_fraction_rescores_only_the_chosen_sequences(engine: VllmEngine) -> None:
-    req = GenerationRequest([21, 22, 23], prompts([6, 8, 4]), n=4, max_new_tokens=8, seed=9)
-    full = engine.generate(req)
-    engine.prefill_fraction = 0.5
-    try:
-        half = engine.generate(req)
-    finally:
-        engine.prefill_fraction = 1.0
-    chosen = [gets_prefill(9, s.prompt_id, s.sample_index, 0.5) for s in half]
-    assert 0 < sum(chosen) < len(half)
-    for a, b, keep in zip(full, half, chosen, strict=True):
-        assert torch.equal(a.response_T, b.response_T) and torch.equal(a.sampler_logp, b.sampler_logp)
-        assert b.prefilled is keep
-        assert (
-            torch.equal(a.prefill_logp, b.prefill_logp) if keep else bool(torch.isnan(b.prefill_logp).all())
-        )
