@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlfw.kernels import cpu_native
 from rlfw.kernels.matmul import ROW_BLOCK, k_tiled_matmul
 
 KV_TILE = 32
@@ -208,7 +209,25 @@ def _tile_group(
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
-    """See :meth:`rlfw.kernels.registry.Ops.attention`; the result is in ``q.dtype``."""
+    """See :meth:`rlfw.kernels.registry.Ops.attention`; the result is in ``q.dtype``.
+
+    On CPU tensors the compiled kernel (``kernels/csrc/attention.cpp``) computes each query row alone
+    over exactly its visible positions; elsewhere the tiled torch path below (:func:`tiled_attention`).
+    """
+    if q.device.type == "cpu":
+        out = cpu_native.module().attention(
+            _f32(q), _f32(k_cache), _f32(v_cache), q_pos.to(torch.long).contiguous(), float(scale)
+        )
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+    return tiled_attention(q, k_cache, v_cache, q_pos, scale)
+
+
+def _f32(t: Tensor) -> Tensor:
+    return (t if t.dtype == torch.float32 else t.float()).contiguous()
+
+
+def tiled_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+    """The tiled torch path (non-CPU devices): KV tiles aligned to position 0, online softmax."""
     t, hkv = q.shape[1], k_cache.shape[2]
     plan = _cached_plan(q_pos, k_cache.shape[1], q.shape[2] // hkv)
     if plan is None:

@@ -14,7 +14,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-SOURCES = [Path(__file__).with_name("csrc") / "linear.cpp"]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("module.cpp", "linear.cpp", "attention.cpp")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 """``-march=native`` only decides speed (AVX2/FMA or the portable path): both paths compute the same
 fma chains, and fma is exactly rounded, so every machine gets the same bits. ``-ffp-contract=off`` keeps

@@ -26,6 +26,31 @@ def _linear_record(backend: str) -> dict[str, Any]:
     return {"impl": "torch_row_block_matmul", **blocks, **common}
 
 
+def _attention_record(backend: str) -> dict[str, Any]:
+    from rlfw.kernels import triton_config as tc
+
+    common = {"accumulate": "fp32", "backward": "recompute_reference_fp32"}
+    if backend != "triton" and not torch.cuda.is_available():  # the compiled kernel
+        return {
+            "impl": "cpp_row_two_pass_softmax",
+            "visible": "slots_0_to_position_only",
+            "dot": "8_lane_fma_fold_then_tail",
+            "sums": "ascending_position",
+            **common,
+        }
+    triton_like = backend == "triton"
+    return {
+        "impl": "triton_tiled_online_softmax" if triton_like else "torch_tiled_online_softmax",
+        "kv_tile": attention.KV_TILE,
+        "q_row_block": tc.ATTN_BLOCK_R if triton_like else matmul.ROW_BLOCK,
+        "score_gemm_tiles": 1 if triton_like else attention.TILE_GROUP,
+        "tile_alignment": "position_0",
+        "tile_order": "ascending",
+        "masked_slots": "zeroed_past_row_last_position",
+        **common,
+    }
+
+
 def describe_invariant(backend: str) -> dict[str, Any]:
     """The record of :class:`~rlfw.kernels.invariant.InvariantOps` on ``backend``."""
     from rlfw.kernels import triton_config as tc
@@ -43,17 +68,7 @@ def describe_invariant(backend: str) -> dict[str, Any]:
         },
         "rope": {"impl": "torch_elementwise", "math": "fp32", "layout": "rotate_half"},
         "silu_mul": {"impl": "torch_elementwise", "silu": "x/(1+exp(-x))", "math": "fp32", "round": "once"},
-        "attention": {
-            "impl": "triton_tiled_online_softmax" if triton_like else "torch_tiled_online_softmax",
-            "kv_tile": attention.KV_TILE,
-            "q_row_block": tc.ATTN_BLOCK_R if triton_like else matmul.ROW_BLOCK,
-            "score_gemm_tiles": 1 if triton_like else attention.TILE_GROUP,
-            "tile_alignment": "position_0",
-            "tile_order": "ascending",
-            "accumulate": "fp32",
-            "masked_slots": "zeroed_past_row_last_position",
-            "backward": "recompute_reference_fp32",
-        },
+        "attention": _attention_record(backend),
         "log_softmax": {
             "impl": "triton_row" if triton_like else "torch_row",
             "math": "fp32",

@@ -8,7 +8,6 @@ import pytest
 
 from rlfw.contract import CASES, ContractMismatch, ExecutionContract, build_contract
 from rlfw.kernels import get_ops
-from rlfw.kernels import invariant as inv_mod
 
 T = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
@@ -26,11 +25,16 @@ def test_hash_is_stable_and_ignores_entry_order_and_notes() -> None:
 
 
 def test_hash_changes_on_a_tile_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlfw.kernels import reduce
+
     before = ExecutionContract.from_dict(json.loads(json.dumps(_contract().to_dict())))
-    monkeypatch.setattr(inv_mod.attn, "KV_TILE", inv_mod.attn.KV_TILE * 2)
+    monkeypatch.setattr(reduce, "SUM_CHUNK", reduce.SUM_CHUNK * 2)
     after = _contract()
     assert after.hash != before.hash
-    assert "cases.engine_decode.ops.attention.kv_tile: 64 != 32" in after.diff(before)
+    assert (
+        f"cases.engine_decode.ops.rms_norm.sum_chunk: {reduce.SUM_CHUNK} != {reduce.SUM_CHUNK // 2}"
+        in after.diff(before)
+    )
 
 
 @pytest.mark.parametrize(

@@ -111,8 +111,3 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
 }
 
 bool vectorised() { return RLFW_AVX2; }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("linear", &linear, "batch-invariant fp32 linear (one fma chain per output element)");
-  mod.def("vectorised", &vectorised, "whether the AVX2/FMA path was compiled");
-}
