@@ -98,6 +98,7 @@ def test_staged_working_dir_imports_as_installed(tmp_path: Path) -> None:
         "print(' '.join(c.available_recipes()))"
     )
     env = {k: v for k, v in os.environ.items() if k != "RLFW_HOME"} | {"PYTHONPATH": str(stage)}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # the probe's own imports must not add to what staging copied
     run = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
     )
