@@ -1,6 +1,9 @@
 """Cost of ``kernels=invariant`` against ``kernels=default``: forward, decode step and training step.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/invariant_cost.py [--batch 8 --seq 64 --reps 20]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/invariant_cost.py [--batch 8 --seq 64 --reps 20] [--path DIR ...]
+
+``--path`` takes HF checkpoint folders (e.g. those ``bench/rollout_vs_peers.py --keep DIR`` writes)
+instead of the tiny presets.
 
 Runs on CUDA when available (the invariant set then uses its Triton kernels natively), else on CPU
 (the exact torch path). Both op sets run the same weights; timings alternate between them, and the table
@@ -15,7 +18,7 @@ from collections.abc import Callable
 import torch
 from paired import paired_medians
 
-from rlfw.model import Transformer, build_preset
+from rlfw.model import Transformer, build_preset, from_pretrained
 
 
 def forward(model: Transformer, ids: torch.Tensor) -> Callable[[], None]:
@@ -58,6 +61,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--path", nargs="*", default=[], help="HF checkpoint folders instead of the presets")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(1) if device == "cpu" else None
@@ -65,11 +69,17 @@ def main() -> None:
     print(f"device {device}, input [{args.batch}, {args.seq}], fp32, median of {args.reps} paired runs")
     print("| model | what | default ms | invariant ms | invariant / default |")
     print("|---|---|---|---|---|")
-    for preset in ("tiny_dense", "tiny_moe"):
+    for preset in args.path or ["tiny_dense", "tiny_moe"]:
+
+        def load(kernels: str, name: str = preset) -> Transformer:
+            if args.path:
+                return from_pretrained(name, kernels=kernels)
+            return build_preset(name, seed=0, kernels=kernels)
+
         for what, make in (("forward", forward), ("decode step", decode_step), ("train step", train_step)):
             runs = []
             for kernels in ("default", "invariant"):
-                model = build_preset(preset, seed=0, kernels=kernels).to(device).train(what == "train step")
+                model = load(kernels).to(device).train(what == "train step")
                 runs.append(make(model, ids))
             t_def, t_inv = paired_medians(runs[0], runs[1], args.reps)
             print(f"| {preset} | {what} | {t_def * 1e3:.2f} | {t_inv * 1e3:.2f} | {t_inv / t_def:.2f} |")

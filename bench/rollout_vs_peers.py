@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip", nargs="*", default=[])
+    ap.add_argument("--keep", help="also save the checkpoint in this folder (for bench/invariant_cost.py)")
     a = ap.parse_args()
 
     from rlfw.config import EngineConfig, SamplerConfig, VllmSettings
@@ -133,6 +134,8 @@ def main() -> None:
     calls: dict[str, Callable[[], int]] = {}
     with tempfile.TemporaryDirectory() as folder:
         write_checkpoint(a.size, folder)
+        if a.keep:
+            write_checkpoint(a.size, a.keep)
 
         def native(kernels: str, prefill_fraction: float = 1.0) -> Callable[[], int]:
             engine = NativeEngine(

@@ -35,6 +35,7 @@ from rlfw.distributed.cluster import SUBPROCESS_ENV
 from rlfw.model.distribution import Transforms
 from rlfw.rollout.native import NativeEngine
 from rlfw.tasks.arithmetic import Arithmetic
+from rlfw.tasks.rewards import score
 from rlfw.tokenizer import build_tiny_tokenizer
 from rlfw.train.collate import collate, grpo_advantages
 from rlfw.trainer.logprobs import scoring_logp
@@ -58,6 +59,11 @@ def ray_run(root: Path, steps: int, overrides: list[str]) -> dict[str, float]:
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     rows = [json.loads(line) for line in (root / "b" / "metrics.jsonl").read_text().splitlines()][1:]
     return {k: statistics.median(r[k] for r in rows) for k in PHASES}
+
+
+def _without_stop(response: torch.Tensor, eos: int) -> list[int]:
+    ids = response.tolist()
+    return ids[:-1] if ids and ids[-1] == eos else ids
 
 
 def in_process(root: Path, reps: int, overrides: list[str]) -> dict[str, float]:
@@ -101,8 +107,14 @@ def in_process(root: Path, reps: int, overrides: list[str]) -> dict[str, float]:
         t0 = time.perf_counter()
         samples = engine.generate(request)
         t1 = time.perf_counter()
-        for s in samples:
-            s.reward = float(s.response_T.shape[0] % 2)  # any non-constant reward: the cost is what matters
+        # the Ray run's reward (the task's own), so the policy learns the same thing in both halves
+        texts = [
+            str(tok.decode(_without_stop(s.response_T, tok.eos_token_id), skip_special_tokens=True))
+            for s in samples
+        ]
+        result = score(task, [problems[s.prompt_id] for s in samples], texts)
+        for s, r in zip(samples, result.rewards, strict=True):
+            s.reward = r
         batch = collate(*grpo_advantages(samples, True, False))
         t2 = time.perf_counter()
         scoring_logp(backend.module, trainer_model, batch, Transforms(), run.trainer.micro_batch_size)
