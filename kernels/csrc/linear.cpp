@@ -62,6 +62,50 @@ void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy,
   for (int r = 0; r < R; ++r) std::copy(tmp[r], tmp[r] + cols, y + r * ldy);
 }
 
+// Few rows (decode): no weight packing. x is transposed to xt [K][16] (rows as lanes, zero past M) and
+// each weight row is read as it lies; every element is still fma(x[r, k], w[c, k], acc) over k ascending
+// from +0, so these are the bits of the packed path.
+constexpr int64_t kFewRows = 16;
+constexpr int64_t kUnpackedMaxRows = 64;  // up to here the weight is read in place, 16 rows at a time
+
+template <int C>
+void few_rows_block(const float* xt, int64_t m, int64_t k, const float* w, float* y, int64_t ldy) {
+  __m256 acc[C][2];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    const __m256 x0 = _mm256_loadu_ps(xt + i * kFewRows);
+    const __m256 x1 = _mm256_loadu_ps(xt + i * kFewRows + 8);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m256 wb = _mm256_broadcast_ss(w + c * k + i);
+      acc[c][0] = _mm256_fmadd_ps(x0, wb, acc[c][0]);
+      acc[c][1] = _mm256_fmadd_ps(x1, wb, acc[c][1]);
+    }
+  }
+  alignas(32) float tmp[C][kFewRows];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    _mm256_store_ps(tmp[c], acc[c][0]);
+    _mm256_store_ps(tmp[c] + 8, acc[c][1]);
+  }
+  for (int c = 0; c < C; ++c)
+    for (int64_t r = 0; r < m; ++r) y[r * ldy + c] = tmp[c][r];
+}
+
+void few_rows(const float* x, int64_t m, int64_t k, const float* w, float* y, int64_t n0, int64_t n1, int64_t n) {
+  std::vector<float> xt(k * kFewRows);
+  for (int64_t r0 = 0; r0 < m; r0 += kFewRows) {  // groups of 16 rows, each transposed once
+    const int64_t rows = std::min(kFewRows, m - r0);
+    std::fill(xt.begin(), xt.end(), 0.0f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < k; ++i) xt[i * kFewRows + r] = x[(r0 + r) * k + i];
+    int64_t c = n0;
+    for (; c + 4 <= n1; c += 4) few_rows_block<4>(xt.data(), rows, k, w + c * k, y + r0 * n + c, n);
+    for (; c < n1; ++c) few_rows_block<1>(xt.data(), rows, k, w + c * k, y + r0 * n + c, n);
+  }
+}
+
 void panel_rows(const float* x, int64_t m, int64_t k, const float* panel, float* y, int64_t n, int64_t cols) {
   int64_t r = 0;
   for (; r + kRows <= m; r += kRows) block<kRows>(x + r * k, k, panel, y + r * n, n, cols);
@@ -96,9 +140,16 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
   auto y = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
-  const std::vector<float> packed = pack(weight.data_ptr<float>(), n, k);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#if RLFW_AVX2
+  if (m <= kUnpackedMaxRows) {
+    const float* wp = weight.data_ptr<float>();
+    at::parallel_for(0, n, 4, [&](int64_t n0, int64_t n1) { few_rows(xp, m, k, wp, yp, n0, n1, n); });
+    return y;
+  }
+#endif
+  const std::vector<float> packed = pack(weight.data_ptr<float>(), n, k);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   // Threads take whole panels; each element is still one fma chain computed by one thread.
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
