@@ -190,11 +190,11 @@ class VllmEngine:
                 tracked = records.pop((f"{tag}:{pid}", p.seed + c.index))
                 tracked.resolve()
                 samples.append(self._sample(pid, c, prompt, tracked.logp))
-        chosen = [
-            s for s in samples if gets_prefill(seed, s.prompt_id, s.sample_index, self.prefill_fraction)
-        ]
+        chosen = []
         for s in samples:
-            if not gets_prefill(seed, s.prompt_id, s.sample_index, self.prefill_fraction):
+            if gets_prefill(seed, s.prompt_id, s.sample_index, self.prefill_fraction):
+                chosen.append(s)
+            else:
                 s.prefill_logp, s.prefilled = torch.full_like(s.prefill_logp, float("nan")), False
         self._rescore(chosen)
         return samples
