@@ -14,8 +14,9 @@ admitted as soon as a slot is free and a finished sequence frees its slot in the
 
 The prefill stream runs through the cache (a fresh slot) rather than the model's no-cache path because
 that is the path the engine prefills prompts with, the one ``prefill_logp`` is meant to measure (vLLM's
-prompt logprobs also go through its cache). Under ``kernels=invariant`` the attention kernel reads the
-same tiles from either layout, so it is also bit-identical to the trainer's no-cache scoring forward;
+prompt logprobs also go through its cache). Under ``kernels=invariant`` the attention reduces a query over
+the same positions in the same order from either layout, so it is also bit-identical to the trainer's
+no-cache scoring forward;
 the tests check both claims.
 
 Weight updates land between steps (:meth:`NativeEngine.update_weights`). With ``in_flight=True`` they
