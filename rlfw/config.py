@@ -156,6 +156,14 @@ class AlgoConfig:
         check_range("algo.prompts_per_step", self.prompts_per_step, lo=1)
 
 
+ESS_LEVELS: tuple[str, ...] = ("sequence", "token")
+# The resync rule reads the sequence-level ESS by default. The rule ("resync when ESS falls below half
+# the batch") is about how many of the batch's samples still count, and a sample is a sequence: its
+# weight is the product of its token ratios. Token-level ESS barely moves under lag (per-token log-ratio
+# spread 0.1 over 256-token sequences: ESS/N 0.99 by token, 0.16 by sequence), so a token-level rule at
+# 0.5 would almost never fire while the sequence-level estimator's variance had already exploded.
+
+
 @dataclass
 class SyncConfig:
     """When and how weights flow from trainer to engines."""
@@ -164,12 +172,14 @@ class SyncConfig:
     policy: str = "every_step"  # resync rule: every_step | interval | ess
     interval: int = 1  # steps between resyncs under policy=interval
     ess_threshold: float = 0.5  # resync when ESS/N of the lag ratio drops below this (policy=ess)
+    ess_level: str = "sequence"  # which lag ESS the rule reads: sequence (ess/lag_seq) | token (ess/lag)
     max_staleness: int = 4  # async hard bound on version gap; older samples are dropped and counted
     transport: str = "object_store"  # object_store (one machine) | collective (NCCL/gloo broadcast)
 
     def __post_init__(self) -> None:
         check_choice("sync.mode", self.mode, ("sync", "async"))
         check_choice("sync.policy", self.policy, ("every_step", "interval", "ess"))
+        check_choice("sync.ess_level", self.ess_level, ESS_LEVELS)
         check_choice("sync.transport", self.transport, ("object_store", "collective"))
         check_range("sync.ess_threshold", self.ess_threshold, lo=0.0, hi=1.0)
         check_range("sync.interval", self.interval, lo=1)

@@ -49,6 +49,8 @@ class Sample:
     trainer_logp: Tensor | None = None  # q: filled in by the trainer
     reward: float | None = None  # filled in by the task's reward function
     prefilled: bool = True  # the prefill stream was computed (see engine.prefill_fraction)
+    decode_topk_logp: Tensor | None = None  # fp32 [T, K] decode stream at topk_ids (None: not recorded)
+    prefill_topk_logp: Tensor | None = None  # fp32 [T, K] prefill stream at topk_ids (NaN if not prefilled)
 
     def __post_init__(self) -> None:
         n = self.response_T.shape[0]
@@ -61,6 +63,9 @@ class Sample:
             "topk_ids": self.topk_ids,
             "topk_logp": self.topk_logp,
         }
+        for name in _HEADS:
+            if getattr(self, name) is not None:
+                per_token[name] = getattr(self, name)
         for name, t in per_token.items():
             if t.shape[0] != n:
                 raise ValueError(f"Sample.{name} has {t.shape[0]} entries for {n} response tokens")
@@ -73,6 +78,10 @@ class Sample:
         return torch.cat([self.prompt_P, self.response_T])
 
 
+# The engine streams at the sampler's top-k ids: optional (an engine that cannot record them leaves None).
+# Whichever is the PPO reference gives `dlc` the generating weights' distribution over the head.
+_HEADS = ("decode_topk_logp", "prefill_topk_logp")
+
 # Per-token fields of a Sample, packed end to end in a SampleBatch.
 _PER_TOKEN = (
     "response_T",
@@ -84,6 +93,14 @@ _PER_TOKEN = (
     "topk_ids",
     "topk_logp",
 )
+
+
+def _packed(samples: list[Sample]) -> tuple[str, ...]:
+    """The per-token fields every sample has (optional heads only when all samples carry them)."""
+    if not samples:
+        return ()
+    heads = tuple(f for f in _HEADS if all(getattr(s, f) is not None for s in samples))
+    return (*_PER_TOKEN, *heads)
 
 
 @dataclass
@@ -120,7 +137,7 @@ class SampleBatch:
             prompt_lens=[s.prompt_P.shape[0] for s in samples],
             response_lens=[s.response_T.shape[0] for s in samples],
             prompts=torch.cat([s.prompt_P for s in samples]) if samples else torch.zeros(0, dtype=torch.long),
-            per_token={f: torch.cat([getattr(s, f) for s in samples]) for f in _PER_TOKEN} if samples else {},
+            per_token={f: torch.cat([getattr(s, f) for s in samples]) for f in _packed(samples)},
             routed=torch.cat(routed) if samples and len(routed) == len(samples) else None,
         )
 
@@ -195,6 +212,8 @@ class TrainBatch:
     routed_experts: Tensor | None  # int64 [B, L, n_moe_layers, k] for R3, None for dense models
     rewards: Tensor | None = None  # fp32 [B, L-1] PPO: the sample's reward at its last response token
     prefilled: Tensor | None = None  # bool [B, L-1]: the token has a prefill value; None: every token has
+    decode_topk_logp: Tensor | None = None  # fp32 [B, L-1, K] decode stream at topk_ids; None: not recorded
+    prefill_topk_logp: Tensor | None = None  # fp32 [B, L-1, K] prefill stream at topk_ids; None: not recorded
 
     @property
     def num_tokens(self) -> int:

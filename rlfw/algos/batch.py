@@ -32,10 +32,16 @@ class CorrectionBatch:
     """`decompose` of the four streams (trainer, decode, sampler, total), detached."""
     log_lag: Tensor
     """log q - log old: the lag ratio against the weights that generated each token, with grad."""
+    log_numerical: Tensor
+    """log old - log mu: the numerical ratio, reference over sampler (the total minus the lag), detached.
+    Which streams it spans depends on the reference: decode x sampler for the prefill stream, the sampler
+    factor alone for the decode stream, every factor for the trainer's scoring pass."""
     trainer_head: Tensor | None
     """[B, T, k] trainer log-probs at the sampler's top-k ids, with grad; None when not given."""
     sampler_head: Tensor | None
     """[B, T, k] sampler log-probs of its top-k ids; None when not given."""
+    reference_head: Tensor | None = None
+    """[B, T, k] the PPO reference's log-probs at the sampler's top-k ids, detached; None when not given."""
 
 
 def _finite_tokens(inputs: LossInputs) -> Tensor:
@@ -43,7 +49,7 @@ def _finite_tokens(inputs: LossInputs) -> Tensor:
     legitimate (a replayed transform removed that token); NaN and +inf are not."""
     streams = (inputs.trainer_logp, inputs.sampler_logp, inputs.decode_logp, inputs.prefill_logp)
     ok = torch.stack([torch.isfinite(s.detach()) for s in (*streams, inputs.reference_logp)]).all(0)
-    for head in (inputs.trainer_topk_logp, inputs.sampler_topk_logp):
+    for head in (inputs.trainer_topk_logp, inputs.sampler_topk_logp, inputs.reference_topk_logp):
         if head is not None:
             ok = ok & (head.detach() < torch.inf).all(-1)
     return ok
@@ -65,13 +71,17 @@ def prepare(inputs: LossInputs) -> CorrectionBatch:
     decode = clean(inputs.decode_logp.detach())
     sampler = clean(inputs.sampler_logp.detach())
     sampler_head = None if inputs.sampler_topk_logp is None else inputs.sampler_topk_logp.detach()
+    reference_head = None if inputs.reference_topk_logp is None else inputs.reference_topk_logp.detach()
+    reference = clean(inputs.reference_logp.detach())
     return CorrectionBatch(
         logp=logp,
         adv=inputs.advantages.detach(),
         mask=mask,
         valid=valid,
         log_factors=decompose(logp.detach(), prefill, decode, sampler),
-        log_lag=logp - clean(inputs.reference_logp.detach()),
+        log_lag=logp - reference,
+        log_numerical=reference - sampler,
         trainer_head=clean_head(inputs.trainer_topk_logp),
         sampler_head=clean_head(sampler_head),
+        reference_head=clean_head(reference_head),
     )

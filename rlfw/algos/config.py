@@ -22,9 +22,10 @@ AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean")
 # bounds on the geometric mean over a sequence, which concentrates near 1, hence the much tighter window.
 MIS_DEFAULT_BOUNDS: dict[str, tuple[float, float]] = {"token": (0.5, 2.0), "sequence": (0.999, 1.001)}
 
-# Which factors a correction's weight covers when `factors` is left unset. IcePop masks the numerical
-# discrepancy (engine decode path and sampler), leaving policy lag to its PPO clip.
-DEFAULT_FACTORS: dict[str, tuple[str, ...]] = {"icepop": ("decode", "sampler")}
+# Corrections whose ratio, when `factors` is left unset, is the numerical ratio reference / sampler (the
+# total minus the lag) rather than a product of factors: IcePop masks the numerical discrepancy and leaves
+# policy lag to its PPO clip, whichever stream the PPO reference is.
+NUMERICAL_BY_DEFAULT: tuple[str, ...] = ("icepop",)
 
 # Corrections whose ratio split is part of their definition: centering compares trainer and sampler
 # probabilities over the sampler's top-k (the total ratio); dlc centres decode+sampler and clips the lag.
@@ -51,7 +52,7 @@ class CorrectionConfig:
     tis_cap: float = 2.0  # TIS truncation C: the weight is min(ratio, C); inf gives untruncated IS
     mis_level: str = "token"  # MIS granularity: token (mask tokens) | sequence (by the geometric-mean ratio)
     mis_bounds: tuple[float, float] | None = None  # MIS window; None: (0.5, 2) token, (0.999, 1.001) seq
-    icepop_bounds: tuple[float, float] = (0.5, 5.0)  # IcePop keep window [alpha, beta] on the numerical ratio
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)  # IcePop keep window [alpha, beta] on reference/sampler
     combine_with: str = "none"  # weight inside score centering: none (unit weights) | tis | mis | ppo
     clip_eps: float = 0.2  # PPO clip epsilon (lower side, and upper side unless clip_eps_high is set)
     clip_eps_high: float | None = None  # PPO upper clip epsilon for asymmetric clipping; None: clip_eps
@@ -102,8 +103,13 @@ class CorrectionConfig:
     @property
     def selected_factors(self) -> tuple[str, ...]:
         """The factors this correction's ratio covers, in canonical order (trainer, decode, sampler)."""
-        chosen = self.factors or DEFAULT_FACTORS.get(self.name, FACTORS)
+        chosen = self.factors or FACTORS
         return tuple(f for f in FACTORS if f in chosen)
+
+    @property
+    def on_numerical(self) -> bool:
+        """Whether the correction's ratio is the numerical one, reference / sampler (IcePop by default)."""
+        return self.factors is None and self.name in NUMERICAL_BY_DEFAULT
 
     @property
     def mis_window(self) -> tuple[float, float]:

@@ -18,6 +18,7 @@ from torch import Tensor
 from rlfw.algos.batch import CorrectionBatch
 from rlfw.algos.centering import WeightRule, centering_term, tail_mass, unit_weight
 from rlfw.algos.config import CorrectionConfig
+from rlfw.algos.dlc import lag_centering_term
 from rlfw.algos.ppo import ppo_surrogate
 from rlfw.algos.ratios import factor_name, select_log_ratio
 from rlfw.algos.weights import in_window, masked_weight, ppo_active, ppo_weight, sequence_in_window, truncate
@@ -70,10 +71,14 @@ def mis(batch: CorrectionBatch, cfg: CorrectionConfig) -> tuple[Tensor, Metrics]
 
 
 def icepop(batch: CorrectionBatch, cfg: CorrectionConfig) -> tuple[Tensor, Metrics]:
-    """IcePop: masked IS on the numerical ratio (by default decode x sampler: the engine's own paths at
-    the same weights) times the PPO surrogate on the lag ratio q / old. A token whose numerical ratio
-    leaves [alpha, beta] is dropped; the rest keep their weight and the usual clip."""
-    name, log_ratio = _selected(batch, cfg)
+    """IcePop: masked IS on the numerical ratio times the PPO surrogate on the lag ratio q / old. The
+    numerical ratio is old / mu, reference over sampler (the total minus the lag), so the two parts
+    split the total ratio whichever stream the PPO reference is: decode x sampler against the prefill
+    stream, the sampler factor alone against the decode stream (in-flight updates), every factor against
+    the trainer's scoring pass (an engine without a bitwise contract). `factors` set explicitly masks that
+    product instead. A token whose masked ratio leaves [alpha, beta] is dropped; the rest keep their
+    weight and the usual clip."""
+    name, log_ratio = ("numerical", batch.log_numerical) if cfg.on_numerical else _selected(batch, cfg)
     lo, hi = cfg.icepop_bounds
     ratio = torch.exp(log_ratio)
     keep = in_window(ratio, lo, hi)
@@ -171,23 +176,29 @@ def centering(batch: CorrectionBatch, cfg: CorrectionConfig) -> tuple[Tensor, Me
 
 
 def dlc(batch: CorrectionBatch, cfg: CorrectionConfig) -> tuple[Tensor, Metrics]:
-    """Discrepancy-lag correction: the two mismatches get the treatment that suits each.
+    """Discrepancy-lag correction: PPO-clip the lag against the sampler's weights, centre the numerical
+    discrepancy (the derivation is in `rlfw.algos.dlc`):
 
-    The numerical discrepancy (decode x sampler: same weights, different arithmetic) is centred, not
-    importance-weighted: the score is centred under the sampler with unit weights, which removes the drift
-    it causes without the variance of IS weights. The lag (trainer vs the weights that generated the token)
-    is a real policy change and gets a PPO trust region against the sampler's weights: each token's
-    centred score is scaled by its PPO score-function weight r_lag 1[not clipped]. Per-token head ratios
-    of the lag are unknown (the generating weights' distribution over the head is not recorded), so the
-    token's own lag weight scales the whole centred score:
-        grad = A * w_lag * (grad log q_a - E_{v~mu} grad log p_v).
-    With no lag (r_lag = 1) a constant reward gives exactly zero gradient.
+        grad = A (w_a grad log q_a - sum_v (mu_v - old_v) w_v grad log q_v),  w = ppo_weight(q / old, A),
+
+    whose expectation under the sampler mu is the PPO-clip gradient under the generating weights old:
+    with no numerical discrepancy (mu = old) the centring term is 0 and this is `ppo_sampler`, token by
+    token; with no lag (q = old) every w is 1 and this is score centering with unit weights.
     """
     trainer_head, sampler_head = _head(batch, cfg)
+    if batch.reference_head is None:
+        raise ValueError(
+            "correction.name=dlc needs LossInputs.reference_topk_logp (the PPO reference at the sampler's "
+            "top-k ids)"
+        )
     lag = torch.exp(batch.log_lag.detach())
     weight = ppo_weight(lag, batch.adv, cfg.clip_eps, cfg.clip_high, cfg.dual_clip)
-    term = centering_term(trainer_head, sampler_head, batch.adv, unit_weight)
-    loss = -batch.adv * weight * (batch.logp - term)
+
+    def phi(r: Tensor, adv: Tensor) -> Tensor:
+        return ppo_weight(r, adv, cfg.clip_eps, cfg.clip_high, cfg.dual_clip)
+
+    term = lag_centering_term(trainer_head, sampler_head, batch.reference_head, batch.adv, phi)
+    loss = -batch.adv * (weight * batch.logp - term)
     clipped = ~ppo_active(lag, batch.adv, cfg.clip_eps, cfg.clip_high, cfg.dual_clip)
     return loss, {"ratio/lag/clip_frac": _frac(clipped, batch.valid)} | _head_metrics(
         trainer_head, sampler_head, batch.valid
@@ -202,6 +213,8 @@ class CorrectionRule:
     needs_topk: bool = False
     """Reads `trainer_topk_logp` (the trainer's log-probs at the sampler's top-k ids): the score-centring
     corrections. The trainer gathers that head only when the correction asks for it."""
+    needs_reference_head: bool = False
+    """Also reads `reference_topk_logp` (the PPO reference at the sampler's top-k ids): dlc."""
 
 
 CORRECTIONS: dict[str, CorrectionRule] = {
@@ -211,5 +224,5 @@ CORRECTIONS: dict[str, CorrectionRule] = {
     "icepop": CorrectionRule(icepop),
     "centering": CorrectionRule(centering, needs_topk=True),
     "ppo_sampler": CorrectionRule(ppo_sampler),
-    "dlc": CorrectionRule(dlc, needs_topk=True),
+    "dlc": CorrectionRule(dlc, needs_topk=True, needs_reference_head=True),
 }

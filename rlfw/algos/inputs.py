@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 _STREAMS = ("trainer_logp", "sampler_logp", "decode_logp", "prefill_logp", "advantages", "mask")
-_TOPK = ("sampler_topk_ids", "sampler_topk_logp", "trainer_topk_logp")
+_TOPK = ("sampler_topk_ids", "sampler_topk_logp", "trainer_topk_logp", "reference_topk_logp")
 
 
 @dataclass
@@ -46,6 +46,9 @@ class LossInputs:
     """[B, T, k] the sampler's log-probs of its top-k ids (-inf allowed where transforms removed a token)."""
     trainer_topk_logp: Tensor | None = None
     """[B, T, k] the trainer's log-probs at `sampler_topk_ids`, with grad (score centering only)."""
+    reference_topk_logp: Tensor | None = None
+    """[B, T, k] the PPO reference's log-probs at `sampler_topk_ids` (the generating weights' distribution
+    over the sampler's head; dlc only, which needs the lag ratio of every head token)."""
 
     def __post_init__(self) -> None:
         shape = tuple(self.trainer_logp.shape)

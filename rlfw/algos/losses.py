@@ -16,7 +16,7 @@ from rlfw.algos.batch import CorrectionBatch, prepare
 from rlfw.algos.config import CorrectionConfig
 from rlfw.algos.corrections import CORRECTIONS
 from rlfw.algos.inputs import LossInputs
-from rlfw.algos.ratios import ess_from_log, factor_name, ratio_metrics, select_log_ratio
+from rlfw.algos.ratios import ess_from_log, factor_name, ratio_metrics, select_log_ratio, sequence_ess
 
 
 def _token_mean(per_token: Tensor, batch: CorrectionBatch, inputs: LossInputs) -> Tensor:
@@ -41,18 +41,22 @@ _AGGREGATIONS: dict[str, Callable[[Tensor, CorrectionBatch, LossInputs], Tensor]
 
 def ratio_report(inputs: LossInputs, cfg: CorrectionConfig) -> dict[str, Tensor]:
     """Design §6 ratio metrics over valid tokens: each factor, the total, the lag ratio q / old, the
-    product the correction acts on when it is none of those, and the token-level ESS/N of lag and total."""
+    numerical ratio old / mu (total minus lag), the product the correction acts on when it is none of
+    those, and the ESS/N of lag and total, over tokens (`ess/lag`, `ess/total`) and over sequences
+    (`ess/lag_seq`, `ess/total_seq`: each sequence weighted by the product of its token ratios)."""
     batch = prepare(inputs)
     log_ratios = dict(batch.log_factors)
     log_ratios["lag"] = batch.log_lag.detach()
+    log_ratios["numerical"] = batch.log_numerical
     log_ratios.setdefault(
         factor_name(cfg.selected_factors), select_log_ratio(batch.log_factors, cfg.selected_factors)
     )
     metrics: dict[str, Tensor] = {}
     for name, log_ratio in log_ratios.items():
         metrics |= ratio_metrics(name, log_ratio, batch.valid)
-    metrics["ess/lag"] = ess_from_log(log_ratios["lag"], batch.valid)
-    metrics["ess/total"] = ess_from_log(log_ratios["total"], batch.valid)
+    for name in ("lag", "total"):
+        metrics[f"ess/{name}"] = ess_from_log(log_ratios[name], batch.valid)
+        metrics[f"ess/{name}_seq"] = sequence_ess(log_ratios[name], batch.valid)
     return metrics
 
 

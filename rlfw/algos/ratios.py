@@ -15,8 +15,10 @@ from torch import Tensor
 
 from rlfw.algos.config import FACTORS
 
-# A name for the decode+sampler product, the engine-side "numerical" discrepancy of the design.
-_COMBINED_NAMES: dict[tuple[str, ...], str] = {FACTORS: "total", ("decode", "sampler"): "numerical"}
+# The product of all three factors is the total. (The "numerical" ratio is not a fixed product of factors:
+# it is reference / sampler, which spans different factors for different PPO references; see
+# `CorrectionBatch.log_numerical`.)
+_COMBINED_NAMES: dict[tuple[str, ...], str] = {FACTORS: "total"}
 
 
 def decompose(
@@ -36,7 +38,7 @@ def decompose(
 
 def factor_name(factors: tuple[str, ...]) -> str:
     """Metric name of a product of factors given in canonical order: a factor's own name, `total` for all
-    three, `numerical` for decode x sampler, otherwise the names joined by `+`."""
+    three, otherwise the names joined by `+`."""
     return _COMBINED_NAMES.get(factors, "+".join(factors))
 
 
@@ -77,6 +79,15 @@ def ess_from_log(logw: Tensor, mask: Tensor | None = None) -> Tensor:
     shift = logw.detach()[valid].max()
     w = torch.exp(torch.where(valid, logw.detach() - shift, torch.full_like(logw, -torch.inf)))
     return ess(w, valid)
+
+
+def sequence_ess(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """ESS/N over sequences: each sequence's weight is the product of its token ratios (the sum of its
+    masked log ratios), so a small per-token spread compounds over a long sequence as it does for the
+    sequence-level estimator. log_ratio, mask: [B, T]; rows with no masked token are not counted."""
+    m = mask.bool()
+    per_seq = torch.where(m, log_ratio.detach(), torch.zeros_like(log_ratio)).sum(-1)
+    return ess_from_log(per_seq, m.any(-1))
 
 
 def ratio_metrics(name: str, log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:

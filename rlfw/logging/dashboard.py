@@ -23,6 +23,7 @@ RATIO_MEANING = {
     "sampler": "decode path vs what the sampler recorded",
     "total": "trainer vs sampler, the whole ratio",
     "lag": "trainer weights vs the weights that sampled",
+    "numerical": "PPO reference vs sampler: the total minus the lag (IcePop masks it)",
 }
 
 
@@ -64,7 +65,8 @@ SYNC_SECTION = Section(
     title="ESS and weight sync",
     slug="ess_sync",
     panels=(
-        Panel("ESS / N", (m.ESS_LAG, m.ESS_TOTAL)),
+        Panel("ESS / N (tokens)", (m.ESS_LAG, m.ESS_TOTAL)),
+        Panel("ESS / N (sequences)", (m.ESS_LAG_SEQ, m.ESS_TOTAL_SEQ)),
         Panel("resyncs", (m.SYNC_RESYNCS,)),
         Panel("staleness (mean versions)", (m.SYNC_STALENESS_MEAN,)),
         Panel("max version gap", (m.SYNC_VERSION_GAP_MAX,)),

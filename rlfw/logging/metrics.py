@@ -16,7 +16,11 @@ FACTORS: tuple[str, ...] = ("trainer", "decode", "sampler", "total")
 LAG = "lag"
 """The policy-lag ratio: the trainer's weights against the weights that sampled each token."""
 
-RATIOS: tuple[str, ...] = (*FACTORS, LAG)
+NUMERICAL = "numerical"
+"""The numerical ratio: the PPO reference against the sampler (the total minus the lag), the ratio IcePop
+masks; which factors it spans depends on the reference (`rlfw.algos.batch.CorrectionBatch.log_numerical`)."""
+
+RATIOS: tuple[str, ...] = (*FACTORS, LAG, NUMERICAL)
 """Every ratio that gets its own panel group."""
 
 RATIO_STATS: tuple[str, ...] = ("mean", "max_abs_log", "k3_kl", "hist")
@@ -30,6 +34,11 @@ HIST_SUFFIX = "/hist"
 
 ESS_LAG = "ess/lag"
 ESS_TOTAL = "ess/total"
+ESS_LAG_SEQ = "ess/lag_seq"
+ESS_TOTAL_SEQ = "ess/total_seq"
+ESS_KEYS: tuple[str, ...] = (ESS_LAG, ESS_TOTAL, ESS_LAG_SEQ, ESS_TOTAL_SEQ)
+"""ESS/N of the lag and total ratios, over tokens and over sequences (a sequence's weight is the product
+of its token ratios); `sync.ess_level` picks which lag ESS the resync rule reads."""
 SYNC_RESYNCS = "sync/resyncs"
 SYNC_STALENESS_MEAN = "sync/staleness_mean"
 SYNC_VERSION_GAP_MAX = "sync/version_gap_max"
@@ -103,10 +112,15 @@ def is_hist_key(key: str) -> bool:
     return key.endswith(HIST_SUFFIX)
 
 
+def lag_ess_key(level: str) -> str:
+    """The lag ESS key the resync rule reads at `sync.ess_level` (token | sequence)."""
+    return {"token": ESS_LAG, "sequence": ESS_LAG_SEQ}[level]
+
+
 def required_keys(moe: bool) -> list[str]:
     """Every key a training step must carry; MoE runs add the router-replay mismatch fraction."""
     keys = [ratio_key(r, s) for r in RATIOS for s in RATIO_STATS]
-    keys += [ESS_LAG, ESS_TOTAL, *SYNC_KEYS, *REQUIRED_RUN_KEYS]
+    keys += [*ESS_KEYS, *SYNC_KEYS, *REQUIRED_RUN_KEYS]
     if moe:
         keys.append(ROUTER_REPLAY_MISMATCH_FRAC)
     return keys

@@ -257,7 +257,8 @@ class NativeEngine:
         for seq in done:
             if id(seq) not in scored_ids:
                 nan = torch.full((len(seq.response),), float("nan"))
-                samples.append(seq.to_sample(nan, None, self._version, prefilled=False))
+                nan_head = torch.full_like(torch.stack(seq.topk_logp), float("nan"))
+                samples.append(seq.to_sample(nan, nan_head, None, self._version, prefilled=False))
             del self.running[seq.slot]
             self.slots.release(seq.slot)
         return samples
@@ -270,9 +271,10 @@ class NativeEngine:
         for i, (seq, row) in enumerate(zip(done, rows, strict=True)):
             p, n = seq.prompt_P.shape[0], row.shape[0]
             response = row[p:]
-            prefill = response_logp(self.model, hidden[i, :n], p, response, self.transforms)
+            ids = torch.stack(seq.topk_ids)
+            prefill, head = response_logp(self.model, hidden[i, :n], p, response, self.transforms, ids)
             last = None if routing is None else routing[i, n - 1 : n]
-            samples.append(seq.to_sample(prefill, last, self._version))
+            samples.append(seq.to_sample(prefill, head, last, self._version))
         return samples
 
     # -- weights ---------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ class Sequence:
     decode_logp: list[Tensor] = field(default_factory=list)
     topk_ids: list[Tensor] = field(default_factory=list)
     topk_logp: list[Tensor] = field(default_factory=list)
+    decode_topk_logp: list[Tensor] = field(default_factory=list)
     version: list[int] = field(default_factory=list)
     kv_version: list[int] = field(default_factory=list)
     routing: list[Tensor] = field(default_factory=list)  # [n, L, k] chunks, positions 0 .. fed so far
@@ -89,6 +90,7 @@ class Sequence:
         self.decode_logp.append(streams.decode_logp)
         self.topk_ids.append(streams.topk_ids)
         self.topk_logp.append(streams.topk_logp)
+        self.decode_topk_logp.append(streams.decode_topk_logp)
         self.version.append(version)
         self.kv_version.append(self.kv_oldest)
         self.finish_reason = self._finish_reason(token, stop_ids)
@@ -103,10 +105,16 @@ class Sequence:
         return "length" if len(self.response) >= self.max_len else None
 
     def to_sample(
-        self, prefill_logp: Tensor, last_routing: Tensor | None, final_version: int, prefilled: bool = True
+        self,
+        prefill_logp: Tensor,
+        prefill_head: Tensor,
+        last_routing: Tensor | None,
+        final_version: int,
+        prefilled: bool = True,
     ) -> Sample:
-        """The record that leaves the engine; ``last_routing [1, L, k]`` covers the last response token,
-        which no decode step fed."""
+        """The record that leaves the engine; ``prefill_head [T, K]`` is the prefill stream at the
+        sampler's top-k ids; ``last_routing [1, L, k]`` covers the last response token, which no decode
+        step fed."""
         device = self.prompt_P.device
         routed = None
         if last_routing is not None:
@@ -123,6 +131,8 @@ class Sequence:
             kv_version_T=torch.tensor(self.kv_version, dtype=torch.long, device=device),
             topk_ids=torch.stack(self.topk_ids),
             topk_logp=torch.stack(self.topk_logp),
+            decode_topk_logp=torch.stack(self.decode_topk_logp),
+            prefill_topk_logp=prefill_head,
             finish_reason=self.finish_reason or "length",
             final_version=final_version,
             routed_experts=routed,

@@ -40,15 +40,18 @@ class TokenStreams:
     decode_logp: Tensor
     topk_ids: Tensor
     topk_logp: Tensor
+    decode_topk_logp: Tensor  # the decode stream at the sampler's top-k ids
+
+    def _fields(self) -> tuple[Tensor, ...]:
+        return (self.sampler_logp, self.decode_logp, self.topk_ids, self.topk_logp, self.decode_topk_logp)
 
     def cpu(self) -> TokenStreams:
         """Records leave the engine on the CPU (they cross actor boundaries)."""
-        fields = (self.sampler_logp, self.decode_logp, self.topk_ids, self.topk_logp)
-        return TokenStreams(*(t.cpu() for t in fields))
+        return TokenStreams(*(t.cpu() for t in self._fields()))
 
     def row(self, i: int) -> TokenStreams:
         """Row ``i`` of a batched step (0-d log-probs, ``[K]`` top-k)."""
-        return TokenStreams(self.sampler_logp[i], self.decode_logp[i], self.topk_ids[i], self.topk_logp[i])
+        return TokenStreams(*(t[i] for t in self._fields()))
 
 
 def next_token_logits(
@@ -76,20 +79,30 @@ def sampler_topk(ops: Ops, sampler_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def token_streams(ops: Ops, logits: NextTokenLogits, tokens_B: Tensor, k: int) -> TokenStreams:
-    """Sampler and decode log-probs of the chosen tokens, and the sampler's top-k."""
+    """Sampler and decode log-probs of the chosen tokens, the sampler's top-k, and the decode stream at
+    those ids (the sampler's own values when the sampler runs on the decode logits, fp32)."""
     topk_ids, topk_logp = sampler_topk(ops, logits.sampler, k)
+    same = logits.decode is logits.sampler
+    decode_head = topk_logp if same else ops.log_softmax(logits.decode).gather(-1, topk_ids)
     return TokenStreams(
         sampler_logp=ops.token_logp(logits.sampler, tokens_B),
         decode_logp=ops.token_logp(logits.decode, tokens_B),
         topk_ids=topk_ids,
         topk_logp=topk_logp,
+        decode_topk_logp=decode_head,
     )
 
 
 def response_logp(
-    model: Transformer, hidden_SH: Tensor, prompt_len: int, response_T: Tensor, transforms: Transforms
-) -> Tensor:
-    """``prefill_logp [T]`` from the hidden states ``[P + T, hidden]`` of one finished sequence.
+    model: Transformer,
+    hidden_SH: Tensor,
+    prompt_len: int,
+    response_T: Tensor,
+    transforms: Transforms,
+    topk_ids_TK: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """``prefill_logp [T]`` and the prefill stream at the sampler's top-k ids ``[T, K]``, from the hidden
+    states ``[P + T, hidden]`` of one finished sequence.
 
     The LM head runs over every position, as in the trainer's scoring forward; response token ``t`` is
     scored at position ``P - 1 + t``.
@@ -97,4 +110,6 @@ def response_logp(
     logits = model.ops.linear(hidden_SH, model.output_weight)
     t = response_T.shape[0]
     processed = process_logits(logits[prompt_len - 1 : prompt_len - 1 + t], transforms)
-    return model.ops.token_logp(processed, response_T.to(processed.device)).cpu()
+    logp = model.ops.token_logp(processed, response_T.to(processed.device)).cpu()
+    head = model.ops.log_softmax(processed).gather(-1, topk_ids_TK.to(processed.device)).cpu()
+    return logp, head

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from rlfw.distributed.groups import PendingGeneration
+from rlfw.logging.metrics import lag_ess_key
 from rlfw.logging.progress import progress
 from rlfw.tasks.base import Problem
 from rlfw.train.checkpoint import checkpoint_folder
@@ -108,7 +109,7 @@ def async_steps(d: Driver) -> None:
         metrics |= trainer_numerics(trained.batch, trained.result.trainer_logp, clock.trainer_version)
         metrics |= decode_kv_staleness(samples)
         clock.trained()
-        resynced = resync(d, clock, float(metrics["ess/lag"]))
+        resynced = resync(d, clock, float(metrics[lag_ess_key(run.sync.ess_level)]))
         t4 = time.perf_counter()
         times = StepTimes(t1 - t0, trained.reward_s, trained.train_s, t4 - t3, t4 - t0)
         tokens = sum(s.response_T.shape[0] for s in samples)

@@ -83,8 +83,22 @@ def collate(samples: list[Sample], advantages: list[float], token_rewards: bool 
         routed_experts=routed,
         rewards=_terminal_rewards(samples, width) if token_rewards else None,
         prefilled=_prefilled(samples, mask),
+        decode_topk_logp=_head(samples, "decode_topk_logp", width, k),
+        prefill_topk_logp=_head(samples, "prefill_topk_logp", width, k),
         **per_token,
     )
+
+
+def _head(samples: list[Sample], name: str, width: int, k: int) -> Tensor | None:
+    """``[B, L-1, K]`` an engine stream at the sampler's top-k ids (-inf off the response), or None when
+    some sample lacks it (an engine that does not record it)."""
+    if not samples or any(getattr(s, name) is None for s in samples):
+        return None
+    head = torch.full((len(samples), width - 1, k), float("-inf"))
+    for i, s in enumerate(samples):
+        p, n = s.prompt_P.shape[0], s.tokens.shape[0]
+        head[i, p - 1 : n - 1] = getattr(s, name)
+    return head
 
 
 def _prefilled(samples: list[Sample], mask: Tensor) -> Tensor | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from rlfw.algos import Reference, ppo_reference
+from rlfw.algos import CORRECTIONS, Reference, ppo_reference
 from rlfw.config import RunConfig
 from rlfw.contract import ExecutionContract, build_contract
 from rlfw.distributed.specs import ModelSpec
@@ -104,6 +104,23 @@ def check_prefill_fraction(fraction: float, contract: ExecutionContract, is_moe:
         )
 
 
+def check_correction_streams(run: RunConfig, reference: Reference) -> None:
+    """Refuse a correction whose inputs this run would not record (rather than degrade silently)."""
+    name, k = run.correction.name, run.engine.sampler.topk_logprobs
+    rule = CORRECTIONS[name]
+    if rule.needs_topk and k == 0:
+        raise ConfigError(
+            f"correction={name} centres the score over the sampler's top-k, but "
+            "engine.sampler.topk_logprobs=0 records none (it would become plain policy gradient); set "
+            "engine.sampler.topk_logprobs > 0"
+        )
+    if rule.needs_reference_head and reference != "score" and run.engine.name == "vllm":
+        raise ConfigError(
+            f"correction={name} needs the {reference} stream at the sampler's top-k ids, which engine=vllm "
+            "does not record; use engine=native, or sync=sync (the trainer's scoring pass is the reference)"
+        )
+
+
 def optim_config(run: RunConfig) -> OptimConfig:
     tr = run.trainer
     return OptimConfig(
@@ -126,6 +143,7 @@ def step_spec(run: RunConfig, setup: Setup) -> StepSpec:
         trainer_prefill_bitwise=setup.contract.claims_bitwise("trainer_score", "engine_prefill"),
         prefill_everywhere=run.engine.prefill_fraction >= 1.0,
     )
+    check_correction_streams(run, reference)
     log.info("PPO reference is the %s", REFERENCE_WHY[reference])
     ppo = PPOSpec(run.algo.gamma, run.algo.lam, run.algo.value_coef) if run.algo.name == "ppo" else None
     return StepSpec(

@@ -55,15 +55,16 @@ def trainer_logp(
 
 
 def scoring_logp(
-    model: nn.Module, ops_model: Transformer, batch: TrainBatch, t: Transforms, micro: int
-) -> Tensor:
-    """The no-grad scoring forward over the whole batch, in micro-batches: ``[B, L-1]``."""
+    model: nn.Module, ops_model: Transformer, batch: TrainBatch, t: Transforms, micro: int, topk: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """The no-grad scoring forward over the whole batch, in micro-batches: ``[B, L-1]``, and with
+    ``topk`` its log-probs at the sampler's top-k ids ``[B, L-1, K]`` (else None)."""
     with torch.no_grad():
-        parts = [
-            trainer_logp(model, ops_model, mb, t, replay=True, topk=False).logp
-            for mb in batch.micro_batches(micro)
+        outs = [
+            trainer_logp(model, ops_model, mb, t, replay=True, topk=topk) for mb in batch.micro_batches(micro)
         ]
-    return torch.cat(parts)
+    heads = [o.topk_logp for o in outs if o.topk_logp is not None]
+    return torch.cat([o.logp for o in outs]), torch.cat(heads) if topk else None
 
 
 def critic_values(

@@ -59,12 +59,23 @@ class StepSpec:
     ppo: PPOSpec | None = None  # None: GRPO (advantages come with the batch)
 
 
-def old_policy_logp(backend: Backend, model: Transformer, batch: TrainBatch, spec: StepSpec) -> Tensor:
-    if spec.reference == "decode":
-        return batch.decode_logp
-    if spec.reference == "prefill":
-        return batch.prefill_logp
-    return scoring_logp(backend.module, model, batch, spec.transforms, spec.micro_batch_size)
+def old_policy_logp(
+    backend: Backend, model: Transformer, batch: TrainBatch, spec: StepSpec, head: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """The PPO reference ``[B, L-1]`` and, with ``head``, the reference at the sampler's top-k ids
+    ``[B, L-1, K]`` (what ``dlc`` reads): the recorded engine stream's head, or the scoring pass's."""
+    if spec.reference == "score":
+        return scoring_logp(backend.module, model, batch, spec.transforms, spec.micro_batch_size, topk=head)
+    old, old_head = {
+        "decode": (batch.decode_logp, batch.decode_topk_logp),
+        "prefill": (batch.prefill_logp, batch.prefill_topk_logp),
+    }[spec.reference]
+    if head and old_head is None:
+        raise ValueError(
+            f"correction={spec.correction.name} needs the {spec.reference} stream at the sampler's top-k "
+            "ids, which this engine did not record; use engine=native or a synchronous run"
+        )
+    return old, old_head if head else None
 
 
 def train_step(
@@ -83,11 +94,12 @@ def train_step(
     the correction's clip and mask fractions (token-weighted over micro-batches), the grad norm and the
     R3 mismatch.
     """
-    old = old_policy_logp(backend, model, batch, spec)
+    rule = CORRECTIONS[spec.correction.name]
+    old, old_head = old_policy_logp(backend, model, batch, spec, head=rule.needs_reference_head)
     critic = _critic_targets(backend, model, batch, spec) if spec.ppo is not None else None
     if critic is not None:
         batch = replace(batch, advantages=critic[0])
-    topk = CORRECTIONS[spec.correction.name].needs_topk
+    topk = rule.needs_topk
     q_parts: list[Tensor] = []
     mismatch: list[float] = []
     sums: dict[str, float] = defaultdict(float)
@@ -103,6 +115,8 @@ def train_step(
             values=critic is not None,
         )
         inputs = loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences)
+        if old_head is not None:
+            inputs.reference_topk_logp = old_head[rows]
         loss, metrics = policy_loss(inputs, spec.correction)
         if critic is not None and spec.ppo is not None and out.values is not None:
             _, old_values, returns = critic

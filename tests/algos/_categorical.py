@@ -32,11 +32,13 @@ def true_loss_grad(logits: Tensor, adv: Tensor) -> Tensor:
 
 
 def action_batch(
-    z: Tensor, sampler_logits: Tensor, a: int, adv: Tensor, k: int, old_shift: float
+    z: Tensor, sampler_logits: Tensor, a: int, adv: Tensor, k: int, old_logits: Tensor | None
 ) -> LossInputs:
     """Single-token batch for action a: trainer = prefill = decode = log softmax(z), sampler = log softmax of
-    `sampler_logits`; the head is the sampler's top-k; old = prefill - old_shift."""
+    `sampler_logits`; the head is the sampler's top-k; the PPO reference (the generating weights) is the
+    distribution log softmax(old_logits), or the trainer itself (no lag) when it is None."""
     logp, logmu = z.log_softmax(0), sampler_logits.log_softmax(0)
+    logold = logp.detach() if old_logits is None else old_logits.log_softmax(0)
     ids = logmu.topk(k).indices
 
     def cell(x: Tensor) -> Tensor:
@@ -47,13 +49,14 @@ def action_batch(
         sampler_logp=cell(logmu[a]),
         decode_logp=cell(logp[a].detach()),
         prefill_logp=cell(logp[a].detach()),
-        old_logp=cell(logp[a].detach() - old_shift),
+        old_logp=cell(logold[a]),
         advantages=cell(adv[a]),
         mask=torch.ones(1, 1, dtype=torch.bool),
         num_tokens=1,
         sampler_topk_ids=ids.reshape(1, 1, k),
         sampler_topk_logp=logmu[ids].reshape(1, 1, k),
         trainer_topk_logp=logp[ids].reshape(1, 1, k),
+        reference_topk_logp=logold[ids].reshape(1, 1, k),
     )
 
 
@@ -63,13 +66,13 @@ def per_action_grads(
     sampler_logits: Tensor,
     adv: Tensor,
     k: int | None = None,
-    old_shift: float = 0.0,
+    old_logits: Tensor | None = None,
 ) -> Tensor:
     """[V, V]: row a is grad_z of the loss when the sampler drew action a."""
     rows = []
     for a in range(len(logits)):
         z = logits.clone().requires_grad_()
-        loss, _ = policy_loss(action_batch(z, sampler_logits, a, adv, k or len(logits), old_shift), cfg)
+        loss, _ = policy_loss(action_batch(z, sampler_logits, a, adv, k or len(logits), old_logits), cfg)
         (g,) = torch.autograd.grad(loss, z)
         rows.append(g)
     return torch.stack(rows)
@@ -81,8 +84,8 @@ def expected_grad(
     sampler_logits: Tensor,
     adv: Tensor,
     k: int | None = None,
-    old_shift: float = 0.0,
+    old_logits: Tensor | None = None,
 ) -> Tensor:
     """E_{a~mu}[grad_z loss(a)], exactly."""
     mu = sampler_logits.softmax(0)
-    return mu @ per_action_grads(cfg, logits, sampler_logits, adv, k, old_shift)
+    return mu @ per_action_grads(cfg, logits, sampler_logits, adv, k, old_logits)

@@ -32,6 +32,7 @@ def _one_token(
         sampler_topk_ids=torch.tensor(head).reshape(1, 1, -1),
         sampler_topk_logp=logmu[head].reshape(1, 1, -1),
         trainer_topk_logp=trainer_head,
+        reference_topk_logp=logp[head].reshape(1, 1, -1),  # no lag: the reference is the trainer
     )
     return inputs, trainer_head
 
@@ -43,8 +44,10 @@ def _one_token(
         # loss = -[log 0.6 - 0.5 log 0.6 - 0.5 log 0.4] = 0.5 log(0.4 / 0.6)
         # d/d log p_v = +A mu_v = [0.5, 0.5]
         ("centering", "none", 2.0, 0.5 * math.log(0.4 / 0.6), [0.5, 0.5]),
-        # dlc with no lag is the same centred score
-        ("dlc", "none", 2.0, 0.5 * math.log(0.4 / 0.6), [0.5, 0.5]),
+        # dlc with no lag (old = p): head coefficients mu_v - old_v = [-0.1, 0.1], so
+        # loss = -[log 0.6 + 0.1 log 0.6 - 0.1 log 0.4]. In the logits this is centering's gradient, as
+        # sum_v p_v grad log p_v = 0 (test_unbiasedness checks it action by action).
+        ("dlc", "none", 2.0, -(1.1 * math.log(0.6) - 0.1 * math.log(0.4)), [-0.1, 0.1]),
         # TIS with C = 1: r = p / mu = [1.2, 0.8] -> phi = [1, 0.8]; coef = mu phi = [0.5, 0.4]; w_a = 1
         # loss = -[log 0.6 - 0.5 log 0.6 - 0.4 log 0.4]
         ("centering", "tis", 1.0, -(0.5 * math.log(0.6) - 0.4 * math.log(0.4)), [0.5, 0.4]),

@@ -53,7 +53,8 @@ def test_defaults_follow_the_design() -> None:
     assert CorrectionConfig(mis_level="sequence").mis_window == (0.999, 1.001)
     assert CorrectionConfig(clip_eps_high=0.28).clip_high == 0.28
     assert cfg.selected_factors == ("trainer", "decode", "sampler")
-    assert CorrectionConfig(name="icepop").selected_factors == ("decode", "sampler")
+    assert CorrectionConfig(name="icepop").on_numerical  # reference / sampler, whatever the reference
+    assert not CorrectionConfig(name="icepop", factors=("decode", "sampler")).on_numerical
     assert CorrectionConfig(factors=("sampler", "trainer")).selected_factors == ("trainer", "sampler")
 
 

@@ -20,7 +20,7 @@ from rlfw.algos import CorrectionConfig, LossInputs, policy_loss, ratio_report
 from rlfw.algos.ppo import ppo_surrogate
 from rlfw.algos.weights import ppo_weight
 
-from ._builders import NUM_TOKENS, t, three_tokens
+from ._builders import ADV, NUM_TOKENS, t, three_tokens
 
 CASES = [
     # none: loss = -sum(A q) / 4 = -(1*-1 + -2*-2 + 0.5*-0.5) / 4 = -(2.75) / 4; grad = -A / 4
@@ -138,6 +138,37 @@ def test_metrics_closed_form() -> None:
     # ESS/N of the lag [1.5, 1, 0.5]: 9 / (3 * 3.5)
     assert m["ess/lag"].item() == pytest.approx(9 / 10.5)
     assert all(not v.requires_grad for v in m.values())
+
+
+@pytest.mark.parametrize(
+    ("reference", "numerical", "mask_frac"),
+    [
+        # window [0.9, 2.5]. Against the prefill stream (async default) the numerical ratio is
+        # decode x sampler = [2, 0.8, 0.4]: tokens 1 and 2 dropped.
+        ("prefill", [2.0, 0.8, 0.4], 2 / 3),
+        # Against the decode stream (in-flight updates) the decode factor belongs to the lag, so the
+        # numerical ratio is the sampler factor [2, 1, 0.4]: only token 2 dropped.
+        ("decode", [2.0, 1.0, 0.4], 1 / 3),
+        # Against the trainer's scoring pass (no bitwise contract) it is the total [3, 0.8, 0.2]: all dropped.
+        ("score", [3.0, 0.8, 0.2], 1.0),
+    ],
+)
+def test_icepop_masks_reference_over_sampler(
+    reference: str, numerical: list[float], mask_frac: float
+) -> None:
+    base = three_tokens()
+    old = {"prefill": base.prefill_logp, "decode": base.decode_logp, "score": base.trainer_logp.detach()}
+    inputs = three_tokens(old_logp=old[reference].clone())
+    cfg = CorrectionConfig(name="icepop", icepop_bounds=(0.9, 2.5))
+    loss, metrics = policy_loss(inputs, cfg)
+    assert metrics["ratio/numerical/mask_frac"].item() == pytest.approx(mask_frac)
+    assert torch.allclose(ratio_report(inputs, cfg)["ratio/numerical/hist"], torch.log(t(numerical)))
+    # The loss is the kept numerical weight times the PPO surrogate on the lag q / old.
+    ratio = t(numerical)
+    keep = (ratio >= 0.9) & (ratio <= 2.5)
+    surrogate, _ = ppo_surrogate(inputs.trainer_logp.detach() - inputs.old_logp, t(ADV), 0.2, 0.2, None)
+    expected = (torch.where(keep, ratio, torch.zeros_like(ratio)) * surrogate).sum() / NUM_TOKENS
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-12)
 
 
 def test_metrics_cover_the_ratio_a_correction_acts_on() -> None:

@@ -13,7 +13,7 @@ import torch
 
 from rlfw.algos import CorrectionConfig
 
-from ._categorical import ADV, LOGITS, MILD, WIDE, expected_grad, score, true_loss_grad
+from ._categorical import ADV, LOGITS, MILD, WIDE, expected_grad, per_action_grads, score, true_loss_grad
 
 TOL = 1e-12
 
@@ -109,12 +109,63 @@ def test_drift_under_constant_reward(cfg: CorrectionConfig) -> None:
         assert torch.allclose(g, drift, atol=TOL)
 
 
-def test_dlc_with_lag_scales_the_centred_score_by_the_clipped_lag_ratio() -> None:
-    # old = q - log 1.1 for every action: lag ratio 1.1, inside the clip window: every token's centred score
-    # is scaled by 1.1, so under constant reward the expectation is still exactly 0 and, with advantages,
-    # 1.1 times the lag-free one.
-    base = expected_grad(CorrectionConfig(name="dlc"), LOGITS, LOGITS + MILD, ADV)
-    lagged = expected_grad(CorrectionConfig(name="dlc"), LOGITS, LOGITS + MILD, ADV, old_shift=math.log(1.1))
-    assert torch.allclose(lagged, 1.1 * base, atol=TOL)
-    flat = expected_grad(CorrectionConfig(name="dlc"), LOGITS, LOGITS + MILD, ONES, old_shift=math.log(1.1))
+# Policy lag as a real distribution: the generating weights `old` differ from the trainer's by a shift of
+# the logits, so q / old ranges over ~[0.84, 1.19] (inside PPO's clip at eps 0.2) or, under LAG_WIDE,
+# leaves it on both sides (the clip acts for both advantage signs).
+LAG = torch.tensor([-0.1, 0.08, 0.05, -0.07, 0.1], dtype=torch.float64)
+LAG_WIDE = torch.tensor([-0.6, 0.5, 0.05, -0.4, 0.7], dtype=torch.float64)
+
+
+def test_the_lags_are_inside_and_outside_the_clip() -> None:
+    mild = LOGITS.softmax(0) / (LOGITS + LAG).softmax(0)
+    wide = LOGITS.softmax(0) / (LOGITS + LAG_WIDE).softmax(0)
+    assert 0.8 < mild.min() and mild.max() < 1.2
+    assert wide.min() < 0.8 and wide.max() > 1.2
+
+
+@pytest.mark.parametrize("lag", [LAG, LAG_WIDE], ids=["inside_clip", "clipped"])
+@pytest.mark.parametrize("k", [2, 5])
+def test_dlc_without_numerical_discrepancy_is_ppo_sampler_token_by_token(lag: torch.Tensor, k: int) -> None:
+    # The sampler is the generating policy itself (mu = old): DLC's centring term is 0 for every action.
+    old = LOGITS + lag
+    dlc = per_action_grads(CorrectionConfig(name="dlc"), LOGITS, old, ADV, k=k, old_logits=old)
+    ppo = per_action_grads(CorrectionConfig(name="ppo_sampler"), LOGITS, old, ADV, k=k, old_logits=old)
+    assert ppo.abs().max() > 1e-2
+    assert torch.allclose(dlc, ppo, atol=TOL)
+
+
+def test_dlc_under_pure_lag_does_not_drift() -> None:
+    # Constant reward, sampler = old, lag inside the clip: E_old[(q / old) grad log q] = grad sum q = 0. A
+    # centred score scaled by the sampled token's lag weight alone would drift by A E_old[grad log q] != 0.
+    old = LOGITS + LAG
+    for name in ("dlc", "ppo_sampler"):
+        g = expected_grad(CorrectionConfig(name=name), LOGITS, old, ONES, old_logits=old)
+        assert g.abs().max() < 1e-12
+    lag_free_drift = (old.softmax(0) @ score(LOGITS)).abs().max()
+    assert lag_free_drift > 1e-2  # what the unit-weight centring would have left
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_dlc_without_lag_is_unit_weight_centering(k: int) -> None:
+    # old = q (no lag): every lag weight is 1 and the centring term is that of score centering.
+    dlc = per_action_grads(CorrectionConfig(name="dlc"), LOGITS, LOGITS + WIDE, ADV, k=k)
+    centred = per_action_grads(CorrectionConfig(name="centering"), LOGITS, LOGITS + WIDE, ADV, k=k)
+    assert torch.allclose(dlc, centred, atol=TOL)
+
+
+def test_dlc_bias_under_lag_and_discrepancy_is_the_centring_covariance() -> None:
+    # Full head, lag inside the clip (w = q / old), sampler != old. With g = A (w_a s_a - c) and
+    # c = sum_v (mu_v - old_v) w_v s_v:
+    #   E_mu[g] = E_old[A w s] + sum_v (mu_v - old_v) (A_v - E_mu[A]) w_v s_v
+    # and E_old[A w s] = E_q[A s], the on-policy gradient: the only bias is centering's covariance term,
+    # which vanishes for a constant advantage.
+    old = LOGITS + LAG
+    sampler = old + MILD
+    p, q_old, mu, s_ = LOGITS.softmax(0), old.softmax(0), sampler.softmax(0), score(LOGITS)
+    w = p / q_old
+    bias = -(((mu - q_old) * (ADV - mu @ ADV) * w) @ s_)
+    g = expected_grad(CorrectionConfig(name="dlc"), LOGITS, sampler, ADV, k=5, old_logits=old)
+    assert bias.abs().max() > 1e-4
+    assert torch.allclose(g, true_loss_grad(LOGITS, ADV) + bias, atol=TOL)
+    flat = expected_grad(CorrectionConfig(name="dlc"), LOGITS, sampler, ONES, k=5, old_logits=old)
     assert flat.abs().max() < 1e-12

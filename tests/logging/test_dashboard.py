@@ -19,14 +19,14 @@ def section_keys(slug: str) -> set[str]:
     return {key for panel in section.panels for key in panel.keys}
 
 
-@pytest.mark.parametrize("ratio", ["trainer", "decode", "sampler", "total", "lag"])
+@pytest.mark.parametrize("ratio", ["trainer", "decode", "sampler", "total", "lag", "numerical"])
 def test_every_ratio_has_its_group(ratio: str) -> None:
     expected = {f"ratio/{ratio}/{stat}" for stat in m.RATIO_STATS + m.CORRECTION_STATS}
     assert section_keys(f"ratio_{ratio}") == expected
 
 
 def test_ess_sync_and_run_groups() -> None:
-    expected = {"ess/lag", "ess/total", *m.SYNC_KEYS, "router/replay_mismatch_frac", *m.ASYNC_KEYS}
+    expected = {*m.ESS_KEYS, *m.SYNC_KEYS, "router/replay_mismatch_frac", *m.ASYNC_KEYS}
     assert expected - {m.SYNC_TRAINED_SAMPLES} == section_keys("ess_sync")
     run = section_keys("run")
     assert {"reward/mean", "loss/policy", "grad_norm", "throughput/tokens_per_s", "time/step"} <= run

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlfw.model import build_preset
-from rlfw.model.distribution import Transforms
+from rlfw.model.distribution import Transforms, process_logits
 from tests.rollout._helpers import PRESETS, engine, model, request, same_bits, trainer_logp
 
 MIXED_LENGTHS = [1, 7, 3, 12, 5]  # length 1: a prompt with nothing to prefill
@@ -113,3 +113,25 @@ def test_reduced_precision_sampler_is_batch_invariant_too(precision: str) -> Non
         for a, b in zip(together, apart, strict=True):
             assert torch.equal(a.response_T, b.response_T)
             assert same_bits(a.sampler_logp, b.sampler_logp) and same_bits(a.topk_logp, b.topk_logp)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_engine_streams_at_the_sampler_top_k(precision: str) -> None:
+    """The decode and prefill streams are also recorded at the sampler's top-k ids (dlc's reference over
+    the head): under invariant kernels both equal the trainer's log-probs at those ids bit for bit, and
+    with an fp32 sampler the decode head is the sampler's own head."""
+    m = model("tiny_dense")
+    t = Transforms(temperature=0.8, top_k=20)
+    samples = engine(m, precision=precision, max_slots=3, topk_logprobs=6, transforms=t).generate(
+        request([4, 9, 2], n=2, max_new_tokens=7)
+    )
+    for s in samples:
+        assert s.decode_topk_logp is not None and s.prefill_topk_logp is not None
+        logits = m(s.tokens[None])[0, s.prompt_P.shape[0] - 1 : -1]
+        trainer_head = m.ops.log_softmax(process_logits(logits, t)).gather(-1, s.topk_ids)
+        assert same_bits(s.prefill_topk_logp, trainer_head)
+        assert same_bits(s.decode_topk_logp, trainer_head)
+        if precision == "fp32":
+            assert same_bits(s.decode_topk_logp, s.topk_logp)
+        else:
+            assert not same_bits(s.decode_topk_logp, s.topk_logp)  # the sampler's precision shows

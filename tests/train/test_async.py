@@ -165,12 +165,12 @@ def _ess_run(root: Path, lr: str) -> list[dict[str, Any]]:
 def test_ess_policy_resyncs_exactly_when_the_lag_ess_drops_below_the_threshold(root: Path) -> None:
     rows = _ess_run(root, "1e-2")
     for row in rows:
-        lag_ess = row["ess/lag"]
+        lag_ess = row["ess/lag_seq"]  # sync.ess_level=sequence, the default
         below = lag_ess is None or math.isnan(lag_ess) or lag_ess < 0.9
         assert row["sync/resynced"] == float(below), (row["step"], lag_ess)
         assert _accounted(row)
     assert rows[0]["sync/resynced"] == 0.0  # step 0 trains on its own version: no lag
-    assert any(r["sync/resynced"] for r in rows), [r["ess/lag"] for r in rows]
+    assert any(r["sync/resynced"] for r in rows), [r["ess/lag_seq"] for r in rows]
     assert rows[-1]["sync/resyncs"] == sum(r["sync/resynced"] for r in rows)
 
 
