@@ -249,3 +249,33 @@ def test_loss_inputs_validation(field: str, value: object, match: str) -> None:
 def test_centering_without_top_k_names_the_missing_inputs() -> None:
     with pytest.raises(ValueError, match="trainer_topk_logp"):
         policy_loss(three_tokens(), CorrectionConfig(name="centering"))
+
+
+def test_sequence_ess_sees_a_spread_that_token_ess_hides() -> None:
+    # 64 sequences of 256 tokens, per-token log lag ratios ~ N(0, 0.1^2): by token the weights look
+    # almost uniform, by sequence (product of token ratios, log-variance 2.56) most of the batch is lost.
+    g = torch.Generator().manual_seed(0)
+    q = t([[0.0] * 256] * 64, grad=True)
+    old = torch.randn(64, 256, generator=g, dtype=torch.float64) * 0.1
+    fields = {name: q.detach() for name in ("sampler_logp", "decode_logp", "prefill_logp")}
+    inputs = LossInputs(
+        trainer_logp=q,
+        old_logp=old,
+        advantages=torch.ones(64, 256, dtype=torch.float64),
+        mask=torch.ones(64, 256, dtype=torch.bool),
+        num_tokens=64 * 256,
+        **fields,
+    )
+    m = ratio_report(inputs, CorrectionConfig())
+    assert m["ess/lag"].item() > 0.98
+    assert m["ess/lag_seq"].item() < 0.3
+    # a sequence's weight is the product of its token ratios: ESS over exp(sum of log ratios)
+    w = torch.exp(-old.sum(-1))
+    assert m["ess/lag_seq"].item() == pytest.approx((w.sum() ** 2 / (64 * (w * w).sum())).item())
+
+
+def test_sequence_ess_counts_only_sequences_with_tokens() -> None:
+    inputs = three_tokens(mask=torch.tensor([[True, True, False]]))
+    m = ratio_report(inputs, CorrectionConfig())
+    assert m["ess/lag_seq"].item() == pytest.approx(1.0)  # one sequence: ESS/N is 1
+    assert m["ess/total_seq"].item() == pytest.approx(1.0)
