@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 def input_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (a checkpoint, dataset, run folder or unsupported setting), reported in
     one line rather than as a traceback."""
+    from rlfw.contract import ContractMismatch
     from rlfw.model import CheckpointError, ModelConfigError
     from rlfw.rollout.vllm.checks import VllmCheckpointError, VllmUnavailableError
     from rlfw.tasks.gsm8k import DatasetError
@@ -89,6 +90,7 @@ def input_errors() -> tuple[type[BaseException], ...]:
         NotImplementedError,
         VllmUnavailableError,
         VllmCheckpointError,
+        ContractMismatch,
     )
 
 

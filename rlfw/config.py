@@ -224,6 +224,7 @@ class RunConfig:
     seed: int = 0  # global seed
     resume: bool = False  # continue the run folder logger.run_name from its last checkpoint
     ray_address: str | None = None  # an existing Ray cluster to join; None starts a local Ray on loopback
+    environment_mismatch: str = "refuse"  # ranks/engines on differing stacks: refuse | bound (no bit claims)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -235,6 +236,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_choice("kernels", self.kernels, ("invariant", "default"))
+        check_choice("environment_mismatch", self.environment_mismatch, ("refuse", "bound"))
         if self.model.router_replay and self.model.preset == "tiny_dense":
             raise ConfigError(
                 "model.router_replay=true needs an MoE model (model.preset=tiny_moe or an MoE path)"

@@ -4,7 +4,10 @@ A *case* is one path that produces log-probs: the trainer's grad forward, the tr
 the engine's prefill, the engine's decode and the sampler. The contract records, per case, which
 implementation serves each op (``ops.describe()``), the dtypes, the execution path and the logits head;
 plus the sampling transforms, the tie rules, the state each weight sync invalidates, and for every
-adjacent pair of cases whether bits are claimed equal or a bound on |d log p| is declared instead.
+adjacent pair of cases whether bits are claimed equal or a bound on |d log p| is declared instead. It also
+records the environment fingerprint of the trainer (library versions, device, CPU capability, BLAS mode:
+`rlfw.fingerprint`) and the model's architecture and shapes, so a contract built on another machine,
+stack or model does not share its hash.
 
 Trainer and engine exchange the hash before every weight sync; a mismatch refuses to proceed with an
 error naming the differing entries. The hash covers only bit-relevant content, serialised canonically
@@ -61,6 +64,8 @@ class ExecutionContract:
     state_obligations: dict[str, list[str]]
     pairs: dict[str, dict[str, Any]]  # "a~b" -> {"bitwise": bool, "max_abs_dlogp": float | None}
     notes: dict[str, str] = field(default_factory=dict)  # human-readable context; not hashed
+    environment: dict[str, Any] = field(default_factory=dict)  # rlfw.fingerprint.environment_fingerprint
+    model: dict[str, Any] = field(default_factory=dict)  # rlfw.fingerprint.model_fingerprint
 
     def bit_relevant(self) -> dict[str, Any]:
         return {
@@ -69,6 +74,8 @@ class ExecutionContract:
             "tie_rules": self.tie_rules,
             "state_obligations": self.state_obligations,
             "pairs": self.pairs,
+            "environment": self.environment,
+            "model": self.model,
         }
 
     def canonical_json(self) -> str:
@@ -90,6 +97,8 @@ class ExecutionContract:
             d["state_obligations"],
             d["pairs"],
             d.get("notes", {}),
+            d.get("environment", {}),
+            d.get("model", {}),
         )
 
     def case(self, name: str) -> dict[str, Any]:
@@ -146,6 +155,9 @@ def build_contract(
     in_flight_keep_kv: bool = False,
     engine: str = "native",
     vllm_model: str = "rlfw",
+    environment: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
+    accepted_mismatch: list[str] | None = None,
 ) -> ExecutionContract:
     """The contract of the trainer on ``ops`` and an engine (``native`` or ``vllm``).
 
@@ -156,7 +168,18 @@ def build_contract(
 
     vLLM engine: its prefill and decode run vLLM's attention (or vLLM's whole stock model) and its
     sampler applies vLLM's transforms, so every pair that touches vLLM declares a bound instead of bits.
+
+    ``environment`` is the trainer's fingerprint (default: this process's); ``model`` the architecture
+    (`rlfw.fingerprint.model_fingerprint`). ``accepted_mismatch`` lists fingerprint entries where some
+    engine or rank differs and the user accepted it (``contract.environment_mismatch=bound``): no pair
+    is then claimed bitwise; each declares the default kernels' bound instead.
     """
+    if environment is None:
+        from rlfw.fingerprint import environment_fingerprint
+
+        environment = environment_fingerprint(engine)
+    if accepted_mismatch:
+        environment = environment | {"accepted_mismatch": sorted(accepted_mismatch)}
     head = "lm_head_full_precision"
     sampler_head = head if sampler_precision == "fp32" else f"lm_head_{sampler_precision}"
     cases = {
@@ -172,13 +195,14 @@ def build_contract(
         cases["engine_decode"] |= {"ops": vllm_ops, "path": "vllm_paged_decode_raw_logits"}
         cases["sampler"] |= {"ops": vllm_ops, "path": "vllm_processed_logprobs"}
     invariant = ops.name == "invariant"
+    claims_bits = invariant and not accepted_mismatch
     pairs: dict[str, dict[str, Any]] = {}
     for a, b in PAIRS:
         if b == "sampler" and sampler_precision != "fp32":
             pairs[pair_name(a, b)] = {"bitwise": False, "max_abs_dlogp": SAMPLER_BOUND[sampler_precision]}
         elif a == "engine_prefill" and in_flight_keep_kv:
             pairs[pair_name(a, b)] = {"bitwise": False, "max_abs_dlogp": None}
-        elif invariant and (engine == "native" or a == "trainer_grad"):
+        elif claims_bits and (engine == "native" or a == "trainer_grad"):
             pairs[pair_name(a, b)] = {"bitwise": True, "max_abs_dlogp": 0.0}
         else:
             pairs[pair_name(a, b)] = {"bitwise": False, "max_abs_dlogp": DEFAULT_KERNEL_BOUND[param_dtype]}
@@ -200,4 +224,6 @@ def build_contract(
         },
         pairs=pairs,
         notes={"kernels": ops.name, "sampler_precision": sampler_precision, "engine": engine},
+        environment=environment,
+        model=model or {},
     )

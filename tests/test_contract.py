@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,76 @@ def test_claims_follow_kernels_and_sampler_precision() -> None:
         "engine_prefill", "engine_decode"
     )
     assert fp8.pairs["engine_decode~sampler"]["max_abs_dlogp"] > 0
+
+
+_PROBE = """
+import hashlib, json, logging, torch
+from rlfw.contract import build_contract
+from rlfw.fingerprint import model_fingerprint
+from rlfw.kernels import get_ops
+from rlfw.model import build_preset
+logging.getLogger().setLevel(logging.DEBUG)
+m = build_preset("tiny_moe", seed=7, kernels="invariant")
+ids = torch.randint(4, 96, (3, 20), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    bits = hashlib.sha256(m(ids).numpy().tobytes()).hexdigest()
+c = build_contract(get_ops("invariant"), "float32", "fp32", {}, model=model_fingerprint(m.args))
+print(json.dumps({"bits": bits, "hash": c.hash}))
+"""
+
+
+def _probe(**env: str) -> dict[str, str]:
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=base | env, capture_output=True, text=True, check=True
+    ).stdout
+    return dict(json.loads(out.splitlines()[-1]))
+
+
+@pytest.mark.skipif(
+    __import__("torch").backends.cpu.get_cpu_capability() == "DEFAULT", reason="needs a vectorised CPU"
+)
+def test_a_cpu_capability_that_changes_bits_changes_the_hash() -> None:
+    here, portable = _probe(), _probe(ATEN_CPU_CAPABILITY="default")
+    assert here["bits"] != portable["bits"]  # ATen's vectorised exp/softmax differ from the portable path
+    assert here["hash"] != portable["hash"]
+    # Neutral changes: a logging level (set inside the probe), a variable no kernel reads, thread count.
+    assert _probe(RLFW_UNRELATED="1", OMP_NUM_THREADS="2") == here
+
+
+def test_model_architecture_and_shapes_are_in_the_hash() -> None:
+    from rlfw.fingerprint import model_fingerprint
+    from rlfw.model import build_preset
+
+    dense, moe = (model_fingerprint(build_preset(p).args) for p in ("tiny_dense", "tiny_moe"))
+    a, b = _contract(model=dense), _contract(model=moe)
+    assert a.hash != b.hash
+    assert any(line.startswith("model.num_experts:") for line in a.diff(b))
+
+
+def test_settle_environment_refuses_or_bounds_a_differing_engine(tmp_path: Path) -> None:
+    from rlfw.compose import load_config
+    from rlfw.fingerprint import environment_fingerprint
+    from rlfw.model import build_preset
+    from rlfw.train.setup import Setup, make_contract, settle_environment
+
+    here = environment_fingerprint()
+    other = json.loads(json.dumps(here))
+    other["device"]["cpu_capability"] = "DEFAULT"
+    args = build_preset("tiny_dense").args
+    run = load_config([])
+    setup = Setup(None, None, None, None, make_contract(run, args), [], args)  # type: ignore[arg-type]
+    same = settle_environment(run, setup, tmp_path, {"trainer rank 0": here, "engine 0": here})
+    assert same.contract.hash == setup.contract.hash
+    assert same.contract.claims_bitwise("trainer_score", "engine_prefill")
+    fingerprints = {"trainer rank 0": here, "engine 0": here, "engine 1": other}
+    with pytest.raises(ContractMismatch, match=r"engine 1: device\.cpu_capability: '.*' != 'DEFAULT'"):
+        settle_environment(run, setup, tmp_path, fingerprints)
+    bounded = settle_environment(load_config(["environment_mismatch=bound"]), setup, tmp_path, fingerprints)
+    assert not any(p["bitwise"] for p in bounded.contract.pairs.values())
+    assert bounded.contract.environment["accepted_mismatch"] == ["device.cpu_capability"]
+    assert json.loads((tmp_path / "contract.json").read_text())["hash"] == bounded.contract.hash

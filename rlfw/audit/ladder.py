@@ -9,6 +9,7 @@ bits differ, the first op whose output differs (localisation).
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -25,7 +26,9 @@ from rlfw.audit.stream_checks import (
 )
 from rlfw.config import RunConfig
 from rlfw.contract import PAIRS, ExecutionContract, build_contract, pair_name
+from rlfw.fingerprint import model_fingerprint
 from rlfw.model import Transformer, load_model, save_pretrained
+from rlfw.model.distribution import Transforms
 from rlfw.rollout.native import NativeEngine
 
 PROMPT_LENS = (5, 9, 3, 12)
@@ -114,8 +117,24 @@ def localisation(model: Transformer, seq: Tensor) -> dict[str, Any]:
     return {f"score~{mode}": loc.localise(model, seq, "score", mode) for mode in ("decode", "batched")}
 
 
+def _stage(report: dict[str, Any], name: str, fn: Callable[[], Any], keep: bool = True) -> Any:
+    """Run one rung and return its result (stored under ``name`` when ``keep``); a failure is stored as
+    ``{"error": ...}`` and returns None, so the other rungs still run and report."""
+    try:
+        result = fn()
+    except Exception as err:  # a rung's own failure is a finding of the audit, not the end of it
+        report[name] = {"error": f"{type(err).__name__}: {err}"}
+        return None
+    if keep:
+        report[name] = result
+    return result
+
+
 def run_audit(run: RunConfig) -> tuple[dict[str, Any], int]:
-    """The ladder's JSON and the exit code: 1 when bits differ where the contract claims they match."""
+    """The ladder's JSON and the exit code: 1 when bits differ where the contract claims they match, or
+    when a rung that checks a claim failed (its ``error`` says why); the other rungs are kept either way.
+    The comparison with `transformers` is a tolerance check, not a claim: its failure does not decide
+    the exit code."""
     model = load_model(run.model.path, run.model.preset, run.model.dtype, run.kernels, run.model.seed)
     t = run.engine.sampler.transforms()
     contract = build_contract(
@@ -125,14 +144,68 @@ def run_audit(run: RunConfig) -> tuple[dict[str, Any], int]:
         asdict(t),
         engine=run.engine.name,
         vllm_model=run.engine.vllm.model,
+        model=model_fingerprint(model.args),
     )
+    report: dict[str, Any] = {
+        "model": run.model.path or run.model.preset,
+        "architecture": model.args.model_type,
+        "dtype": run.model.dtype,
+        "kernels": run.kernels,
+        "engine": run.engine.name,
+        "sampler_precision": run.engine.sampler.precision,
+        "contract": {
+            "hash": contract.hash,
+            "claims_bitwise": [k for k, v in contract.pairs.items() if v["bitwise"]],
+            "environment": contract.environment,
+            "model": contract.model,
+        },
+    }
     gen = torch.Generator().manual_seed(run.seed)
     prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=gen) for n in PROMPT_LENS]
     vllm = None
-    if run.engine.name == "vllm":
-        from rlfw.audit.vllm_cases import VllmAudit
+    try:
+        if run.engine.name == "vllm":
+            from rlfw.audit.vllm_cases import VllmAudit
 
-        vllm = VllmAudit(run, model, contract.hash, max(PROMPT_LENS) + max(RESPONSE_LENS))
+            vllm = VllmAudit(run, model, contract.hash, max(PROMPT_LENS) + max(RESPONSE_LENS))
+            report["vllm"] = {"model": vllm.impl, "version": vllm.version}
+        cases = _stage(report, "cases", lambda: _cases(run, model, contract, prompts, t, vllm), keep=False)
+        seqs = None if cases is None else cases.pop("sequences")
+        if cases is not None:
+            report["tokens_compared"] = cases.pop("tokens_compared")
+        pairs = None if cases is None else _stage(report, "pairs", lambda: compare_pairs(cases, contract))
+        invariance = None
+        if seqs is not None:
+            invariance = _stage(report, "batch_invariance", lambda: batch_invariance(model, seqs))
+            _stage(report, "transformers", lambda: transformers_diff(model, run.model.path, seqs))
+        claims_invariance = model.ops.name == "invariant"
+        if invariance is not None:
+            invariance["claimed"] = claims_invariance
+        holds = (
+            pairs is not None
+            and all(p["within_contract"] for p in pairs.values())
+            and (not claims_invariance or (invariance is not None and invariance["bits_match"]))
+        )
+        report["contract"]["holds"] = holds
+        differs = pairs is None or not all(p["bits_match"] for p in pairs.values())
+        if seqs is not None and (differs or invariance is None or not invariance["bits_match"]):
+            _stage(report, "localise", lambda: _localise(model, seqs[-1], vllm))
+    finally:
+        if vllm is not None:
+            vllm.close()
+    return report, 0 if holds else 1
+
+
+def _cases(
+    run: RunConfig,
+    model: Transformer,
+    contract: ExecutionContract,
+    prompts: list[Tensor],
+    t: Transforms,
+    vllm: Any,
+) -> dict[str, Any]:
+    """Every case's log-probs on the same sequences (``sequences`` and ``tokens_compared`` ride along)."""
+    if vllm is not None:
         samples = vllm.sample(prompts, max(RESPONSE_LENS), run.seed)  # vLLM's own continuations
         seqs = [s.tokens for s in samples]
         engine = sample_streams(samples)
@@ -148,38 +221,13 @@ def run_audit(run: RunConfig) -> tuple[dict[str, Any], int]:
             contract_hash=contract.hash,
         )
         engine = engine_cases(native, seqs, list(PROMPT_LENS))
-    try:
-        cases = trainer_cases(model, seqs, list(PROMPT_LENS), t) | engine
-        pairs = compare_pairs(cases, contract)
-        invariance = batch_invariance(model, seqs)
-        claims_invariance = model.ops.name == "invariant"
-        holds = all(p["within_contract"] for p in pairs.values()) and (
-            invariance["bits_match"] or not claims_invariance
-        )
-        report: dict[str, Any] = {
-            "model": run.model.path or run.model.preset,
-            "architecture": model.args.model_type,
-            "dtype": run.model.dtype,
-            "kernels": run.kernels,
-            "engine": run.engine.name,
-            "sampler_precision": run.engine.sampler.precision,
-            "tokens_compared": int(sum(c.numel() for c in cases["trainer_score"])),
-            "pairs": pairs,
-            "batch_invariance": invariance | {"claimed": claims_invariance},
-            "contract": {
-                "hash": contract.hash,
-                "holds": holds,
-                "claims_bitwise": [k for k, v in contract.pairs.items() if v["bitwise"]],
-            },
-            "transformers": transformers_diff(model, run.model.path, seqs),
-        }
-        if vllm is not None:
-            report["vllm"] = {"model": vllm.impl, "version": vllm.version}
-        if not all(p["bits_match"] for p in pairs.values()) or not invariance["bits_match"]:
-            report["localise"] = localisation(model, seqs[-1])
-            if vllm is not None:
-                report["localise"] |= vllm.localise(model, seqs[-1])
-    finally:
-        if vllm is not None:
-            vllm.close()
-    return report, 0 if holds else 1
+    cases: dict[str, Any] = trainer_cases(model, seqs, list(PROMPT_LENS), t) | engine
+    tokens = int(sum(c.numel() for c in cases["trainer_score"]))
+    return cases | {"sequences": seqs, "tokens_compared": tokens}
+
+
+def _localise(model: Transformer, seq: Tensor, vllm: Any) -> dict[str, Any]:
+    found = localisation(model, seq)
+    if vllm is not None:
+        found |= vllm.localise(model, seq)
+    return found

@@ -90,6 +90,22 @@ def make_pool(resource: str, size: int) -> Pool:
     return Pool(group, size, uses_gpu)
 
 
+def placement_fingerprints(pools: dict[str, Pool], engine: str) -> dict[str, dict[str, Any]]:
+    """The environment fingerprint of every slot of every pool (``"trainer rank 0"``, ``"engine 1"``, ...),
+    each computed by a task placed where that slot's actor will run, before any actor exists."""
+    import ray
+
+    from rlfw.fingerprint import environment_fingerprint
+
+    task = ray.remote(environment_fingerprint)
+    refs = {
+        f"{name} {i}": task.options(**pool.options(i)).remote(engine)
+        for name, pool in pools.items()
+        for i in range(pool.size)
+    }
+    return {slot: ray.get(ref) for slot, ref in refs.items()}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -151,7 +151,8 @@ class MoE(nn.Module):
         if replay is None:
             weights, ids = ctx.ops.router_topk(flat, self.top_k, self.norm_topk_prob)
         else:
-            ids = replay.reshape(-1, self.top_k).to(torch.long).clamp(0, len(self.experts) - 1)
+            ids = replay.reshape(-1, self.top_k).to(torch.long)
+            check_replayed_ids(ids, len(self.experts), self.moe_index)
             weights = ctx.ops.router_weights(flat, ids, self.norm_topk_prob)
             if ctx.routing is not None:
                 own = ctx.ops.router_topk(flat.detach(), self.top_k, self.norm_topk_prob)[1]
@@ -191,3 +192,15 @@ class Block(nn.Module):
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x, ctx), ctx)
         return x + self.mlp(self.post_attention_layernorm(x, ctx), ctx)
+
+
+def check_replayed_ids(ids: Tensor, num_experts: int, moe_index: int) -> None:
+    """Replayed expert ids must name experts of this layer: an id out of range means the routing record
+    belongs to another model (or was corrupted), and clamping it would silently route to the wrong expert."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+        bad = ids[(ids < 0) | (ids >= num_experts)]
+        raise ValueError(
+            f"router replay: MoE layer {moe_index} got expert id {int(bad[0])}, outside "
+            f"0..{num_experts - 1}; the routed_experts record does not belong to this model (replay it only "
+            "on the checkpoint that generated it)"
+        )

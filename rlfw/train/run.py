@@ -13,14 +13,14 @@ import ray
 
 from rlfw.compose import to_yaml
 from rlfw.config import RunConfig
-from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool
+from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool, placement_fingerprints
 from rlfw.distributed.groups import RolloutGroup, TrainerGroup
 from rlfw.distributed.weight_sync import make_sync
 from rlfw.logging.logger import RunLogger
 from rlfw.train.async_loop import async_steps
 from rlfw.train.checkpoint import EngineWeights, restore
 from rlfw.train.phases import Driver
-from rlfw.train.setup import build_setup, optim_config, step_spec
+from rlfw.train.setup import build_setup, optim_config, settle_environment, step_spec
 from rlfw.train.state import RunState, make_run_dir
 from rlfw.train.sync_loop import sync_steps
 
@@ -37,16 +37,12 @@ def train(run: RunConfig) -> int:
     (run_dir / "config.yaml").write_text(to_yaml(run))
     setup = build_setup(run, run_dir)
     init_ray(run.engine.num_actors, run.trainer.num_ranks, run.ray_address)
-    rollout = RolloutGroup(
-        make_pool(ROLLOUT, run.engine.num_actors),
-        setup.model,
-        run.engine,
-        setup.stop_ids,
-        setup.contract.hash,
-    )
-    trainer = TrainerGroup(
-        make_pool(TRAINER, run.trainer.num_ranks), setup.model, optim_config(run), step_spec(run, setup)
-    )
+    rollout_pool = make_pool(ROLLOUT, run.engine.num_actors)
+    trainer_pool = make_pool(TRAINER, run.trainer.num_ranks)
+    pools = {"trainer rank": trainer_pool, "engine": rollout_pool}
+    setup = settle_environment(run, setup, run_dir, placement_fingerprints(pools, run.engine.name))
+    rollout = RolloutGroup(rollout_pool, setup.model, run.engine, setup.stop_ids, setup.contract.hash)
+    trainer = TrainerGroup(trainer_pool, setup.model, optim_config(run), step_spec(run, setup))
     weights = EngineWeights(make_sync(run.sync.transport), trainer, rollout, setup.contract.hash)
     state = (
         restore(run_dir, trainer, weights) if run.resume else RunState(step=-1, version=0, tag="", resyncs=0)

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from rlfw.algos import CORRECTIONS, Reference, ppo_reference
 from rlfw.config import RunConfig
-from rlfw.contract import ExecutionContract, build_contract
+from rlfw.contract import ContractMismatch, ExecutionContract, build_contract
 from rlfw.distributed.specs import ModelSpec
+from rlfw.fingerprint import fingerprint_diff, model_fingerprint
 from rlfw.kernels import get_ops
+from rlfw.model.config import ModelArgs
 from rlfw.model.distribution import Transforms
 from rlfw.tasks import Task, build_task
 from rlfw.tokenizer import build_tiny_tokenizer, check_vocab, load_tokenizer
@@ -33,6 +36,7 @@ class Setup:
     transforms: Transforms
     contract: ExecutionContract
     stop_ids: list[int]
+    model_args: ModelArgs
 
 
 def tokenizer_of(run: RunConfig, vocab_size: int) -> PreTrainedTokenizerBase:
@@ -65,21 +69,62 @@ def build_setup(run: RunConfig, run_dir: Path) -> Setup:
         folder = cached_warm_start(Path(run.logger.run_root) / ".cache", model, tok, task, ws)
         log.info("warm start: %d supervised steps, checkpoint %s", ws.steps, folder)
         spec = ModelSpec(str(folder), None, run.model.dtype, run.kernels, run.model.seed)
-    t = run.engine.sampler.transforms()
-    keep_kv = run.engine.in_flight and run.engine.kv_policy == "keep"
-    contract = build_contract(
-        get_ops(run.kernels),
-        run.model.dtype,
-        run.engine.sampler.precision,
-        asdict(t),
-        keep_kv,
-        run.engine.name,
-        run.engine.vllm.model,
-    )
+    contract = make_contract(run, model.args)  # this machine's fingerprint until the pools report theirs
     (run_dir / "contract.json").write_text(json.dumps(contract.to_dict(), indent=2))
     check_prefill_fraction(run.engine.prefill_fraction, contract, model.args.is_moe)
     stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None and not run.engine.ignore_eos else []
-    return Setup(spec, tok, task, t, contract, stop_ids)
+    return Setup(spec, tok, task, run.engine.sampler.transforms(), contract, stop_ids, model.args)
+
+
+def make_contract(
+    run: RunConfig,
+    args: ModelArgs,
+    environment: dict[str, Any] | None = None,
+    accepted_mismatch: list[str] | None = None,
+) -> ExecutionContract:
+    """The run's execution contract (``environment`` None: this process's fingerprint)."""
+    keep_kv = run.engine.in_flight and run.engine.kv_policy == "keep"
+    return build_contract(
+        get_ops(run.kernels),
+        run.model.dtype,
+        run.engine.sampler.precision,
+        asdict(run.engine.sampler.transforms()),
+        keep_kv,
+        run.engine.name,
+        run.engine.vllm.model,
+        environment=environment,
+        model=model_fingerprint(args),
+        accepted_mismatch=accepted_mismatch,
+    )
+
+
+REFERENCE_SLOT = "trainer rank 0"
+"""Whose fingerprint the contract records: every other rank and engine is compared with it."""
+
+
+def settle_environment(
+    run: RunConfig, setup: Setup, run_dir: Path, fingerprints: dict[str, dict[str, Any]]
+) -> Setup:
+    """Compare every trainer rank's and engine's fingerprint with trainer rank 0's, before any weight
+    sync, and fix the contract on rank 0's. A difference is refused, naming each entry and where it
+    differs, unless ``environment_mismatch=bound``: the run then claims no pair bitwise (each declares the
+    default kernels' bound) and records the accepted entries in the contract."""
+    reference = fingerprints[REFERENCE_SLOT]
+    diffs = {who: d for who, fp in fingerprints.items() if (d := fingerprint_diff(reference, fp))}
+    listed = "; ".join(f"{who}: {', '.join(d)}" for who, d in diffs.items())
+    if diffs and run.environment_mismatch == "refuse":
+        raise ContractMismatch(
+            f"environment fingerprints differ from {REFERENCE_SLOT}'s ({listed}), so the bitwise claims "
+            "of the execution contract cannot hold; run every rank and engine on the same software stack "
+            "and device type, or set environment_mismatch=bound to accept bounded log-prob pairs"
+        )
+    accepted = sorted({line.split(":")[0] for d in diffs.values() for line in d})
+    if accepted:
+        log.warning("environment_mismatch=bound: pairs are bounded, not bitwise (%s)", listed)
+    contract = make_contract(run, setup.model_args, reference, accepted)
+    (run_dir / "contract.json").write_text(json.dumps(contract.to_dict(), indent=2))
+    check_prefill_fraction(run.engine.prefill_fraction, contract, setup.model_args.is_moe)
+    return replace(setup, contract=contract)
 
 
 def check_prefill_fraction(fraction: float, contract: ExecutionContract, is_moe: bool) -> None:

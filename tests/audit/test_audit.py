@@ -72,3 +72,62 @@ def test_a_non_invariant_op_under_a_bitwise_claim_fails_and_is_localised(
     assert code == 1 and not report["contract"]["holds"]
     assert not report["pairs"]["engine_prefill~engine_decode"]["bits_match"]
     assert report["localise"]["score~decode"]["op"] == "model.layers.0.self_attn.q_proj:linear#0"
+
+
+# Shapes that broke invariance or the audit before: hidden 70 (not a multiple of 4) with 8 experts (an MoE
+# router of width 8 over an inner size of 70), K/V projections 2 * 4 = 8 wide (head_dim 4, GQA 3:1), odd
+# vocabulary.
+AWKWARD = dict(
+    vocab_size=101,
+    hidden_size=70,
+    intermediate_size=90,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=4,
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_audit_on_awkward_shapes_holds_bitwise_and_keeps_every_rung(
+    kind: str, dtype: str, tmp_path: Path
+) -> None:
+    from tests.conftest import make_hf_checkpoint
+
+    extra = {"num_experts": 8, "moe_intermediate_size": 30} if kind == "moe" else {}
+    path = make_hf_checkpoint(tmp_path / kind, kind, **AWKWARD, **extra)
+    report, code = run_audit(load_config(["model=hf", f"model.path={path}", f"model.dtype={dtype}"]))
+    assert code == 0, json.dumps(report, indent=1, default=str)[:3000]
+    assert all(p["bits_match"] for p in report["pairs"].values())
+    assert report["batch_invariance"]["bits_match"]
+    assert report["contract"]["model"]["hidden_size"] == 70
+    # The comparison with transformers is kept either as a number or as the error it raised.
+    assert "max_abs_dlogit" in report["transformers"] or "error" in report["transformers"]
+
+
+def test_a_failing_rung_is_reported_and_the_others_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlfw.audit import ladder
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("strides should be multiple of 16 bytes")
+
+    monkeypatch.setattr(ladder, "transformers_diff", broken)
+    report, code = run_audit(load_config([]))
+    assert report["transformers"] == {"error": "RuntimeError: strides should be multiple of 16 bytes"}
+    assert code == 0 and report["contract"]["holds"]  # not a claim of the contract: the exit code stands
+    assert all(p["bits_match"] for p in report["pairs"].values())
+
+    monkeypatch.setattr(ladder, "batch_invariance", broken)
+    report, code = run_audit(load_config([]))
+    assert report["batch_invariance"] == {"error": "RuntimeError: strides should be multiple of 16 bytes"}
+    assert code == 1 and not report["contract"]["holds"]  # a claimed check that did not run did not hold
+    assert all(p["bits_match"] for p in report["pairs"].values())
+
+
+def test_audit_prints_the_environment_fingerprint(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit"]) == 0
+    contract = json.loads(capsys.readouterr().out)["contract"]
+    assert contract["environment"]["device"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert contract["environment"]["libraries"]["torch"] == torch.__version__
+    assert contract["model"]["model_type"] == "qwen3"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlfw.model import RouterTrace, build_preset
@@ -65,3 +66,16 @@ def test_replay_gate_weights_come_from_the_router_softmax() -> None:
     expected = expected / expected.sum(-1, keepdim=True)  # norm_topk_prob=True in the preset
     assert torch.equal(got, ids)
     assert torch.allclose(weights, expected, atol=1e-7)
+
+
+def test_an_expert_id_out_of_range_is_refused_not_clamped() -> None:
+    model = build_preset("tiny_moe", seed=3)
+    trace = RouterTrace()
+    with torch.no_grad():
+        model(_ids(), routing=trace)
+    for bad in (4, -1):  # tiny_moe has experts 0..3
+        ids = trace.stacked().clone()
+        ids[1, 5, 1, 0] = bad
+        with pytest.raises(ValueError, match=rf"expert id {bad}, outside 0\.\.3"):
+            with torch.no_grad():
+                model(_ids(), routing=RouterTrace(replay=ids))
