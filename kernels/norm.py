@@ -19,4 +19,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     mean_sq = row_sum(xf * xf) / x.shape[-1]
     normed = xf * torch.rsqrt(mean_sq + eps).unsqueeze(-1)
-    return weight * normed.to(x.dtype)
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out_dtype == torch.float32:
+        return weight * normed.to(x.dtype)
+    # A product of two bf16 values is exact in fp32, so one rounding gives a bf16 multiply's bits. Done
+    # this way because torch's vector and scalar bf16 multiplies give a NaN (a zero row with eps=0)
+    # different payloads, which would make the bits of such a row depend on its place in the batch.
+    return (weight.float() * normed.to(x.dtype).float()).to(out_dtype)

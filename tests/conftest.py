@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny HF checkpoints built from config with `transformers` (no downloads)."""
+"""Shared fixtures: tiny HF checkpoints built from config with `transformers` (no downloads); the
+hypothesis profile named by ``RLFW_HYPOTHESIS_PROFILE`` (see :mod:`tests.properties`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.properties import load_profile  # noqa: E402
+
 torch.set_num_threads(1)
+load_profile()  # RLFW_HYPOTHESIS_PROFILE=long: many more examples per property (see tests/properties.py)
 
 
 def make_hf_checkpoint(folder: Path, kind: str, seed: int = 0, **overrides: object) -> Path:

@@ -29,4 +29,27 @@ def embed_row(row: Tensor, n_rows: int, at: int, seed: int) -> Tensor:
     return batch
 
 
+NEIGHBOURS = ("random", "zeros", "huge", "copies")
+"""What the rows around a row under test hold: random values, zeros, values near 1e30 (whose squares and
+products overflow), or copies of the row itself."""
+
+
+def surround(row: Tensor, lead: tuple[int, ...], at: tuple[int, ...], kind: str, seed: int) -> Tensor:
+    """A batch ``[*lead, *row.shape]`` of ``kind`` rows (see :data:`NEIGHBOURS`) with ``row`` at ``at``."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (*lead, *row.shape)
+    if kind == "zeros":
+        batch = torch.zeros(shape, dtype=row.dtype)
+    elif kind == "huge":
+        batch = (torch.randn(shape, generator=g) * 1e30).to(row.dtype)
+    elif kind == "copies":
+        batch = row.expand(shape).clone()
+    elif kind == "random":
+        batch = torch.randn(shape, generator=g).to(row.dtype)
+    else:
+        raise ValueError(f"kind={kind!r}; allowed values: {', '.join(NEIGHBOURS)}")
+    batch[at] = row
+    return batch
+
+
 DTYPES = (torch.float32, torch.bfloat16)

@@ -5,6 +5,8 @@ the row anywhere in a batch, neighbours of any content. A linear that is invaria
 shapes" fails here (the BLAS path it replaces gave a row different bits by its index modulo 4 for outputs
 2-11 wide with an inner size not a multiple of 4). If one of these breaks, trainer and engine log-probs
 stop being bitwise equal on some model shapes.
+
+20 times as many examples: ``RLFW_HYPOTHESIS_PROFILE=long pytest tests/kernels/test_linear_properties.py``.
 """
 
 from __future__ import annotations
@@ -14,27 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfw.kernels.invariant import InvariantOps
-from tests.kernels.bits import assert_same_bits
+from tests.kernels.bits import NEIGHBOURS, assert_same_bits, surround
+from tests.properties import examples
 
 INV = InvariantOps(backend="torch")
-NEIGHBOURS = ("random", "zeros", "huge", "copies")
 
 
-def _batch(row: torch.Tensor, m: int, at: int, kind: str, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if kind == "zeros":
-        batch = torch.zeros(m, row.shape[1], dtype=row.dtype)
-    elif kind == "huge":
-        batch = (torch.randn(m, row.shape[1], generator=g) * 1e30).to(row.dtype)
-    elif kind == "copies":
-        batch = row.expand(m, -1).clone()
-    else:
-        batch = torch.randn(m, row.shape[1], generator=g).to(row.dtype)
-    batch[at] = row[0]
-    return batch
-
-
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(
     n=st.integers(1, 64),
     k=st.integers(1, 700),
@@ -54,11 +42,11 @@ def test_a_row_gets_the_same_bits_whatever_the_batch(
     row = torch.randn(1, k, generator=g).to(dtype)
     alone = INV.linear(row, weight)[0]
     assert_same_bits(
-        INV.linear(_batch(row, m, at, kind, seed), weight)[at], alone, f"n={n} k={k} m={m} at={at}"
+        INV.linear(surround(row[0], (m,), (at,), kind, seed), weight)[at], alone, f"n={n} k={k} m={m} at={at}"
     )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(1, 64), k=st.integers(1, 700), m=st.integers(1, 40), seed=st.integers(0, 2**16))
 def test_the_result_is_a_linear_to_fp32_rounding(n: int, k: int, m: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
