@@ -208,18 +208,39 @@ def _tile_group(
     return m, pv.add_(0.0)
 
 
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+def attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float, rows: Tensor | None = None
+) -> Tensor:
     """See :meth:`rlfw.kernels.registry.Ops.attention`; the result is in ``q.dtype``.
 
     On CPU tensors the compiled kernel (``kernels/csrc/attention.cpp``) computes each query row alone
-    over exactly its visible positions; elsewhere the tiled torch path below (:func:`tiled_attention`).
+    over exactly its visible positions, reading fp32 cache rows in place through ``rows``; elsewhere the
+    tiled torch path below (:func:`tiled_attention`) on the gathered rows.
     """
     if q.device.type == "cpu":
+        if rows is None or k_cache.dtype != torch.float32:  # a bf16 cache: gather, then widen the rows
+            k_cache, v_cache = take_rows(k_cache, v_cache, rows, q_pos)
+            rows = torch.arange(q.shape[0])
         out = cpu_native.module().attention(
-            _f32(q), _f32(k_cache), _f32(v_cache), q_pos.to(torch.long).contiguous(), float(scale)
+            _f32(q),
+            _f32(k_cache),
+            _f32(v_cache),
+            q_pos.to(torch.long).contiguous(),
+            rows.to(torch.long).contiguous(),
+            float(scale),
         )
         return out if out.dtype == q.dtype else out.to(q.dtype)
+    k_cache, v_cache = take_rows(k_cache, v_cache, rows, q_pos)
     return tiled_attention(q, k_cache, v_cache, q_pos, scale)
+
+
+def take_rows(k_cache: Tensor, v_cache: Tensor, rows: Tensor | None, q_pos: Tensor) -> tuple[Tensor, Tensor]:
+    """The batch's own cache rows ``[B, span, Hkv, D]`` (span: the last visible position + 1) from an
+    engine's whole cache; the caches themselves when ``rows`` is None."""
+    if rows is None:
+        return k_cache, v_cache
+    span = int(q_pos.max().item()) + 1 if bool((q_pos >= 0).any()) else 1
+    return k_cache[rows, :span], v_cache[rows, :span]
 
 
 def _f32(t: Tensor) -> Tensor:

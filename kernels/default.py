@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlfw.kernels.attention import take_rows
+
 
 def rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
@@ -37,7 +39,16 @@ class DefaultOps:
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         return F.silu(gate) * up
 
-    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+    def attention(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        q_pos: Tensor,
+        scale: float,
+        rows: Tensor | None = None,
+    ) -> Tensor:
+        k_cache, v_cache = take_rows(k_cache, v_cache, rows, q_pos)
         _, _, hq, _ = q.shape
         hkv = k_cache.shape[2]
         slots = torch.arange(k_cache.shape[1], device=q.device)

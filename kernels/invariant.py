@@ -75,7 +75,18 @@ class InvariantOps:
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         return elementwise.silu_mul(gate, up)
 
-    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+    def attention(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        q_pos: Tensor,
+        scale: float,
+        rows: Tensor | None = None,
+    ) -> Tensor:
+        if rows is not None and self.backend == "torch":  # the engine's cache, read in place
+            return attn.attention(q, k_cache, v_cache, q_pos, scale, rows)
+        k_cache, v_cache = attn.take_rows(k_cache, v_cache, rows, q_pos)
         return recompute_backward(
             self._attention, attn.attention_reference, q, k_cache, v_cache, q_pos, scale
         )

@@ -33,12 +33,22 @@ class Ops(Protocol):
         """``silu(gate) * up`` elementwise."""
         ...
 
-    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+    def attention(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        q_pos: Tensor,
+        scale: float,
+        rows: Tensor | None = None,
+    ) -> Tensor:
         """Causal attention over a slotted cache.
 
         ``q [B, T, Hq, D]``; ``k_cache``/``v_cache [B, S, Hkv, D]`` (Hq a multiple of Hkv, GQA);
         ``q_pos [B, T]`` int64, the position of each query. Key slot ``s`` is visible to a query iff
         ``s <= q_pos``. Queries with ``q_pos < 0`` (padding) return zeros. Output ``[B, T, Hq, D]``.
+        With ``rows [B]`` (int64) the caches are ``[R, S, Hkv, D]``, every row of an engine's cache, and
+        batch entry ``b`` reads row ``rows[b]``: the same result as passing ``k_cache[rows]``.
         """
         ...
 

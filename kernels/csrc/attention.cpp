@@ -59,19 +59,26 @@ inline void axpy(float w, const float* v, float* acc, int64_t d) {
 
 }  // namespace
 
-// q [B, T, Hq, D], k and v [B, S, Hkv, D] (fp32, contiguous), q_pos [B, T] int64; returns [B, T, Hq, D].
+// q [B, T, Hq, D]; k and v [R, S, Hkv, D] cache rows (fp32, contiguous), batch entry b reading row rows[b]
+// (int64 [B]; the engine passes its whole cache and the batch's slots, so nothing is gathered);
+// q_pos [B, T] int64. Returns [B, T, Hq, D].
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const torch::Tensor& q_pos, double scale) {
+                        const torch::Tensor& q_pos, const torch::Tensor& rows, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_pos.dim() == 2, "attention: bad ranks");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "attention: fp32 operands");
-  TORCH_CHECK(q_pos.scalar_type() == at::kLong, "attention: int64 positions");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && q_pos.is_contiguous(),
+  TORCH_CHECK(q_pos.scalar_type() == at::kLong && rows.scalar_type() == at::kLong, "attention: int64 indices");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && q_pos.is_contiguous() &&
+                  rows.is_contiguous(),
               "attention: contiguous operands");
   const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t s = k.size(1), hkv = k.size(2);
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0 && k.size(3) == d && v.sizes() == k.sizes() && k.size(0) == b,
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0 && k.size(3) == d && v.sizes() == k.sizes() && rows.dim() == 1 &&
+                  rows.size(0) == b,
               "attention: shapes");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < k.size(0), "attention: cache row ", row[i], " outside 0..", k.size(0) - 1);
   auto out = torch::zeros_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
@@ -85,7 +92,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     std::vector<float> e(s);
     std::vector<float> acc(d);
     for (int64_t task = i0; task < i1; ++task) {
-      const int64_t bi = task / hq, h = task % hq, kvh = h / group;
+      const int64_t bi = task / hq, h = task % hq, kvh = h / group, ri = row[bi];
       for (int64_t ti = 0; ti < t; ++ti) {
         const int64_t p = pos[bi * t + ti];
         if (p < 0) continue;
@@ -93,7 +100,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
         const float* qrow = qp + ((bi * t + ti) * hq + h) * d;
         float m = -INFINITY;
         for (int64_t i = 0; i <= p; ++i) {
-          e[i] = dot(qrow, kp + ((bi * s + i) * hkv + kvh) * d, d) * sc;
+          e[i] = dot(qrow, kp + ((ri * s + i) * hkv + kvh) * d, d) * sc;
           m = std::max(m, e[i]);
         }
         float denom = 0.0f;
@@ -102,7 +109,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
           denom += e[i];
         }
         std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t i = 0; i <= p; ++i) axpy(e[i], vp + ((bi * s + i) * hkv + kvh) * d, acc.data(), d);
+        for (int64_t i = 0; i <= p; ++i) axpy(e[i], vp + ((ri * s + i) * hkv + kvh) * d, acc.data(), d);
         float* orow = op + ((bi * t + ti) * hq + h) * d;
         for (int64_t j = 0; j < d; ++j) orow[j] = acc[j] / denom;
       }

@@ -23,6 +23,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output features per packed weight panel (two 8-lane vectors)
 constexpr int64_t kRows = 6;    // rows per register block
+constexpr int64_t kBlockBytes = 256 * 1024;  // rows of x per cache block (see linear())
 
 // w [N, K] -> panels [ceil(N / 16)][K][16], zero past N (those lanes are computed, never stored).
 std::vector<float> pack(const float* w, int64_t n, int64_t k) {
@@ -151,13 +152,19 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
 #endif
   const std::vector<float> packed = pack(weight.data_ptr<float>(), n, k);
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  // Threads take whole panels; each element is still one fma chain computed by one thread.
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min(kPanel, n - p * kPanel);
-      panel_rows(xp, m, k, packed.data() + p * k * kPanel, yp + p * kPanel, n, cols);
-    }
-  });
+  // Rows go in blocks that stay in cache while every panel passes over them (about 256 KiB of x), so x
+  // is read from memory once rather than once per panel. Threads take whole panels of a block; each
+  // element is still one fma chain computed by one thread, whatever the blocking.
+  const int64_t block_rows = std::max<int64_t>(kRows, (kBlockBytes / (k * 4)) / kRows * kRows);
+  for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
+    const int64_t rows = std::min(block_rows, m - r0);
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t cols = std::min(kPanel, n - p * kPanel);
+        panel_rows(xp + r0 * k, rows, k, packed.data() + p * k * kPanel, yp + r0 * n + p * kPanel, n, cols);
+      }
+    });
+  }
   return y;
 }
 

@@ -4,7 +4,7 @@
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const torch::Tensor& q_pos, double scale);
+                        const torch::Tensor& q_pos, const torch::Tensor& rows, double scale);
 bool vectorised();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {

@@ -38,22 +38,24 @@ class ForwardContext:
     def valid(self) -> Tensor:
         return self.positions >= 0
 
-    def store_kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write this step's K/V ``[B, T, H_kv, D]`` at their positions; return ``[B, S, H_kv, D]``."""
+    def store_kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Write this step's K/V ``[B, T, H_kv, D]`` at their positions; return the caches to attend over
+        and which of their rows each batch entry reads: the whole engine cache and the batch's slots (read
+        in place, nothing gathered), or, without a cache, a ``[B, S, H_kv, D]`` buffer and None."""
         valid = self.valid
         rows, cols = valid.nonzero(as_tuple=True)
         pos = self.positions[rows, cols]
-        span = int(self.positions.max().item()) + 1 if valid.any() else 1
         if self.cache is None:
+            span = int(self.positions.max().item()) + 1 if valid.any() else 1
             shape = (k.shape[0], span, k.shape[2], k.shape[3])
             k_all = k.new_zeros(shape).index_put((rows, pos), k[rows, cols])
             v_all = v.new_zeros(shape).index_put((rows, pos), v[rows, cols])
-            return k_all, v_all
+            return k_all, v_all, None
         assert self.slots is not None
         slot_rows = self.slots[rows]
         self.cache.k[layer][slot_rows, pos] = k[rows, cols]
         self.cache.v[layer][slot_rows, pos] = v[rows, cols]
-        return self.cache.k[layer][self.slots, :span], self.cache.v[layer][self.slots, :span]
+        return self.cache.k[layer], self.cache.v[layer], self.slots
 
 
 class Linear(nn.Module):
@@ -109,8 +111,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
         q, k = ops.rope(q, ctx.cos, ctx.sin), ops.rope(k, ctx.cos, ctx.sin)
-        k_all, v_all = ctx.store_kv(self.layer, k, v)
-        out = ops.attention(q, k_all, v_all, ctx.positions, self.head_dim**-0.5)
+        k_all, v_all, rows = ctx.store_kv(self.layer, k, v)
+        out = ops.attention(q, k_all, v_all, ctx.positions, self.head_dim**-0.5, rows)
         return self.o_proj(out.reshape(b, t, -1), ctx)
 
 

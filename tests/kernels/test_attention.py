@@ -165,3 +165,23 @@ def test_wide_score_gemm_equals_per_tile_gemms() -> None:
         for lo in range(0, width, KV_TILE):
             tile = torch.matmul(q, k[:, lo : lo + KV_TILE].transpose(1, 2).contiguous())
             assert_same_bits(wide[..., lo : lo + KV_TILE], tile, f"d={d} m={m} width={width} lo={lo}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reading_cache_rows_in_place_gives_the_bits_of_the_gathered_rows(dtype: torch.dtype) -> None:
+    """The engine passes its whole cache and the batch's slots; each query must get the bits it gets
+    from its own rows gathered out (what every other path and the trainer see)."""
+    g = torch.Generator().manual_seed(3)
+    cache_k = torch.randn(7, 40, 2, 16, generator=g).to(dtype)
+    cache_v = torch.randn(7, 40, 2, 16, generator=g).to(dtype)
+    rows = torch.tensor([5, 0, 3])
+    q = torch.randn(3, 2, 4, 16, generator=g).to(dtype)
+    pos = torch.tensor([[11, 12], [-1, 3], [30, 31]])
+    for ops in (InvariantOps(backend="torch"), DefaultOps()):
+        in_place = ops.attention(q, cache_k, cache_v, pos, SCALE, rows)
+        gathered = ops.attention(q, cache_k[rows], cache_v[rows], pos, SCALE)
+        assert_same_bits(in_place, gathered)
+    bad_rows = torch.tensor([9, 0, 1])
+    with pytest.raises(RuntimeError, match="cache row 9"):
+        inv = InvariantOps(backend="torch")
+        inv.attention(q.float(), cache_k.float(), cache_v.float(), pos, SCALE, bad_rows)
