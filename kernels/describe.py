@@ -55,6 +55,8 @@ def describe_invariant(backend: str) -> dict[str, Any]:
     """The record of :class:`~rlfw.kernels.invariant.InvariantOps` on ``backend``."""
     from rlfw.kernels import triton_config as tc
 
+    if backend == "vllm":
+        return _describe_vllm()
     triton_like = backend == "triton"
     return {
         "name": "invariant",
@@ -85,6 +87,28 @@ def describe_invariant(backend: str) -> dict[str, Any]:
         },
         "router_weights": {"impl": "fp32_softmax_gather", "norm_sum": "row_sum"},
     }
+
+
+def _describe_vllm() -> dict[str, Any]:
+    """The CUDA op set on vLLM's kernels: ops vLLM serves are named by its implementation and version (its
+    tile choices are its own, tuned per device; the device is in the environment fingerprint), the rest as
+    on the Triton backend."""
+    from rlfw.kernels import vllm_ops
+
+    record = describe_invariant("triton")
+    served = {
+        "library": vllm_ops.VLLM_KERNELS,
+        "vllm": vllm_ops.vllm_version(),
+        "backward": "rlfw_torch_reference",
+    }
+    record["backend"] = "vllm"
+    record["linear"] = {"impl": vllm_ops.IMPLEMENTATIONS["linear"], "split_k": False, **served}
+    record["rms_norm"] = {"impl": vllm_ops.IMPLEMENTATIONS["rms_norm"], **served}
+    record["log_softmax"] = {"impl": vllm_ops.IMPLEMENTATIONS["log_softmax"], **served}
+    record["token_logp"] = {"impl": vllm_ops.IMPLEMENTATIONS["token_logp"]}
+    record["attention"]["impl"] = vllm_ops.IMPLEMENTATIONS["attention"]
+    record["entropy"] = {"impl": "vllm_log_softmax_then_row_sum", "sum_chunk": reduce.SUM_CHUNK}
+    return record
 
 
 def describe_default() -> dict[str, Any]:

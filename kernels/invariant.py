@@ -3,8 +3,12 @@
 Two backends compute the same reduction orders at the tile level:
 
 * ``torch``: the exact torch path (default on CPU), see the module of each op;
-* ``triton``: Triton kernels (default on CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests).
-  RoPE, SiLU-mul and the router are elementwise or tiny and reuse the torch path on both backends.
+* ``vllm``: on CUDA, vLLM's batch-invariant kernels (persistent matmul, RMSNorm, log-softmax) with rlfw's
+  Triton attention (default on CUDA when vLLM is installed; see :mod:`rlfw.kernels.vllm_ops`), so the
+  trainer runs the kernels the vLLM engine runs;
+* ``triton``: rlfw's Triton kernels (default on CUDA without vLLM; on CPU only under
+  ``TRITON_INTERPRET=1``, for tests).
+  RoPE, SiLU-mul and the router are elementwise or tiny and reuse the torch path on every backend.
 
 Within one backend every op is batch-invariant, so trainer grad forward, trainer scoring, engine
 prefill and engine decode agree bit for bit. The two backends agree to rounding, not bitwise (the
@@ -23,14 +27,20 @@ from rlfw.kernels import attention as attn
 from rlfw.kernels import elementwise, matmul, norm, router, softmax
 from rlfw.kernels.autograd import InvariantLinear, recompute_backward
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "vllm")
 
 
 def _resolve_backend(backend: str) -> str:
+    from rlfw.kernels import vllm_ops
+
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not a backend; allowed values: {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "triton" if torch.cuda.is_available() else "torch"
+        if not torch.cuda.is_available():
+            return "torch"
+        return "vllm" if vllm_ops.available() else "triton"
+    if backend == "vllm" and not vllm_ops.available():
+        raise ValueError("backend='vllm' needs a CUDA device and vLLM's batch-invariant kernels installed")
     if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "backend='triton' without CUDA needs TRITON_INTERPRET=1 set before triton is imported"
@@ -45,7 +55,15 @@ class InvariantOps:
 
     def __init__(self, backend: str = "auto") -> None:
         self.backend = _resolve_backend(backend)
-        if self.backend == "triton":
+        if self.backend == "vllm":
+            from rlfw.kernels import vllm_ops
+
+            self._linear = vllm_ops.linear
+            self._rms_norm = vllm_ops.rms_norm
+            self._attention = vllm_ops.attention
+            self._log_softmax = vllm_ops.log_softmax
+            self._token_logp = vllm_ops.token_logp
+        elif self.backend == "triton":
             from rlfw.kernels import triton_ops
 
             self._linear = triton_ops.linear

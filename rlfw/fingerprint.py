@@ -70,7 +70,9 @@ def environment_fingerprint(engine: str = "native") -> dict[str, Any]:
     """This process's bit-relevant environment: library versions, device, CPU capability, BLAS mode."""
     libraries = {"torch": torch.__version__, "triton": _version("triton")}
     if engine == "vllm":
-        libraries["vllm"] = _version("vllm")
+        from rlfw.kernels.vllm_ops import vllm_version
+
+        libraries["vllm"] = vllm_version()
     env = {name: os.environ[name] for name in BIT_RELEVANT_ENV if name in os.environ}
     return {"libraries": libraries, "device": _device(), "env": env}
 

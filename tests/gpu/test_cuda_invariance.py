@@ -1,0 +1,77 @@
+"""The invariance claims on a CUDA device, natively (skipped without one; ``bench/gpu_check.py`` runs them).
+
+On CUDA, ``kernels=invariant`` resolves to vLLM's batch-invariant kernels (or rlfw's Triton kernels when
+vLLM is absent). Each op must give a row the same bits wherever it sits in a batch, and the whole model
+the same per-token log-probs in trainer grad forward, trainer scoring, engine prefill and engine decode.
+These are the CPU suite's properties on the device the contract will run on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlfw.kernels.invariant import InvariantOps
+from rlfw.model import build_preset
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(7, 255), (48, 64), (1536, 512), (362, 768)])
+def test_linear_row_is_batch_invariant(dtype: torch.dtype, n: int, k: int) -> None:
+    ops = InvariantOps()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=g).to(dtype)
+    x = torch.randn(257, k, device="cuda", generator=g).to(dtype)
+    for rows in (1, 3, 16, 65, 257):
+        for at in {0, rows // 2, rows - 1}:
+            assert _same(ops.linear(x[:rows], w)[at], ops.linear(x[at : at + 1], w)[0]), (rows, at)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_and_log_softmax_rows_are_batch_invariant(dtype: torch.dtype) -> None:
+    ops = InvariantOps()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(129, 70, device="cuda", generator=g).to(dtype)
+    w = torch.randn(70, device="cuda", generator=g).to(dtype)
+    logits = (torch.randn(129, 3001, device="cuda", generator=g) * 4).to(dtype)
+    for rows in (1, 5, 64, 129):
+        at = rows - 1
+        assert _same(ops.rms_norm(x[:rows], w, 1e-6)[at], ops.rms_norm(x[at : at + 1], w, 1e-6)[0])
+        assert _same(ops.log_softmax(logits[:rows])[at], ops.log_softmax(logits[at : at + 1])[0])
+
+
+@pytest.mark.parametrize("preset", ["tiny_dense", "tiny_moe"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_four_modes_give_the_same_logp_bits(preset: str, dtype: torch.dtype) -> None:
+    model = build_preset(preset, dtype=dtype, seed=7, kernels="invariant").cuda()
+    ids = torch.randint(4, 96, (3, 40), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def logp(logits: torch.Tensor) -> torch.Tensor:
+        return model.ops.token_logp(logits[:, :-1], ids[:, 1:])
+
+    model.train()
+    grad = logp(model(ids))
+    model.eval()
+    with torch.no_grad():
+        score = logp(model(ids))
+        cache = model.new_cache(3, 41)
+        prefill = logp(model(ids, cache=model.new_cache(3, 41)))
+        steps = [model(ids[:, t : t + 1], cache=cache) for t in range(ids.shape[1])]
+        decode = logp(torch.cat(steps, dim=1))
+        alone = logp(model(ids[1:2]))
+    assert _same(grad.detach(), score)
+    assert _same(score, prefill)
+    assert _same(prefill, decode)
+    assert _same(score[1:2], alone)
