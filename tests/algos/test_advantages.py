@@ -30,6 +30,19 @@ def test_group_advantages_closed_form(baseline: str, scale_by_std: bool, expecte
     assert torch.allclose(adv, t([expected]), atol=1e-7)
 
 
+def test_group_advantages_defaults_are_grpo() -> None:
+    # baseline mean, divided by (unbiased std + 1e-6): 0.5 / (sqrt(1/3) + 1e-6)
+    adv = group_advantages(t([[1.0, 0.0, 0.0, 1.0]]))
+    scale = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    assert torch.allclose(adv, t([[scale, -scale, -scale, scale]]), rtol=1e-12, atol=0)
+
+
+def test_group_advantages_eps_is_added_to_the_std() -> None:
+    # 0.5 / (sqrt(1/3) + 1) = 0.3169873; a large eps pins where it enters
+    adv = group_advantages(t([[1.0, 0.0, 0.0, 1.0]]), eps=1.0)
+    assert torch.allclose(adv, t([[1.0, -1.0, -1.0, 1.0]]) * 0.5 / (math.sqrt(1 / 3) + 1), atol=1e-12)
+
+
 def test_group_advantages_per_group_and_flat_group() -> None:
     rewards = t([[3.0, 1.0], [2.0, 2.0]])
     adv = group_advantages(rewards, scale_by_std=True, eps=1e-6)
@@ -56,9 +69,11 @@ def test_unknown_baseline_is_refused() -> None:
         group_advantages(t([[1.0, 0.0]]), baseline="median")
 
 
-def test_to_tokens_broadcasts_inside_the_mask() -> None:
-    out = to_tokens(t([2.0, -1.0]), torch.tensor([[1, 1, 0], [0, 1, 1]]))
-    assert torch.equal(out, t([[2.0, 2.0, 0.0], [0.0, -1.0, -1.0]]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_to_tokens_broadcasts_inside_the_mask(dtype: torch.dtype) -> None:
+    out = to_tokens(torch.tensor([2, -1], dtype=dtype), torch.tensor([[1, 1, 0], [0, 1, 1]]))
+    assert out.dtype == dtype  # a broadcast: integer values (e.g. versions) stay integers
+    assert torch.equal(out, torch.tensor([[2, 2, 0], [0, -1, -1]], dtype=dtype))
 
 
 @pytest.mark.parametrize(
@@ -78,6 +93,13 @@ def test_gae_closed_form(gamma: float, lam: float, adv: list[float], ret: list[f
     a, r = gae(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.6, 0.7]]), torch.ones(1, 3), gamma, lam)
     assert torch.allclose(a, t([adv]), atol=1e-12)
     assert torch.allclose(r, t([ret]), atol=1e-12)
+
+
+def test_gae_of_single_token_responses() -> None:
+    # T = 1: the only token is terminal, A = r - V = [1 - 0.4, 0 - 0.5], R = A + V = r
+    a, r = gae(t([[1.0], [0.0]]), t([[0.4], [0.5]]), torch.ones(2, 1), 0.9, 0.5)
+    assert torch.allclose(a, t([[0.6], [-0.5]]), atol=1e-12)
+    assert torch.allclose(r, t([[1.0], [0.0]]), atol=1e-12)
 
 
 def test_gae_ignores_padding_and_skips_interior_masked_tokens() -> None:

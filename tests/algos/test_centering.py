@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from rlfw.algos import CorrectionConfig, LossInputs, policy_loss
 
-from ._categorical import ADV, LOGITS, WIDE, per_action_grads, score
+from ._categorical import ADV, LOGITS, WIDE, action_batch, per_action_grads, score
 
 F64 = torch.float64
 
@@ -99,13 +100,15 @@ def test_full_vocabulary_head_is_exact_centering(combine: str) -> None:
     assert torch.allclose(rows, _exact_centred_rows(combine, LOGITS, LOGITS + WIDE), atol=1e-12)
 
 
-def test_ppo_combination_is_exact_centering_per_advantage_sign() -> None:
-    cfg = CorrectionConfig(name="centering", combine_with="ppo", clip_eps=0.2)
+@pytest.mark.parametrize("dual_clip", [None, 2.0])
+def test_ppo_combination_is_exact_centering_per_advantage_sign(dual_clip: float | None) -> None:
+    # rho ~ [0.46, 3.0, 1.4, 0.92, 6.1]; with the dual clip c = 2, negative-advantage rows also lose v = 1, 4
+    cfg = CorrectionConfig(name="centering", combine_with="ppo", clip_eps=0.2, dual_clip=dual_clip)
     rows = per_action_grads(cfg, LOGITS, LOGITS + WIDE, ADV, k=5)
     p, mu = LOGITS.softmax(0), (LOGITS + WIDE).softmax(0)
     rho, s = p / mu, score(LOGITS)
     for a in range(5):  # the PPO weight depends on the sign of the token's advantage
-        active = (rho <= 1.2) if ADV[a] > 0 else (rho >= 0.8)
+        active = (rho <= 1.2) if ADV[a] > 0 else (rho >= 0.8) & (rho <= (dual_clip or math.inf))
         phi = torch.where(active, rho, 0.0)
         expected = -ADV[a] * (phi[a] * s[a] - (mu * phi) @ s)
         assert torch.allclose(rows[a], expected, atol=1e-12)
@@ -190,3 +193,82 @@ def test_sequence_level_mis_inside_centering_drops_whole_sequences() -> None:
     plain = per_action_grads(CorrectionConfig(name="mis", **window), LOGITS, LOGITS + WIDE, ADV)
     assert torch.allclose(centred, plain, atol=1e-12)
     assert (plain.abs().sum(-1) == 0).sum() == 3  # rho = 0.46, 3.0, 6.1 leave [0.5, 2]: dropped
+
+
+@pytest.mark.parametrize(
+    ("combine", "key", "flagged"),
+    [
+        ("tis", "ratio/total/clip_frac", lambda rho, adv: rho > 1.5),
+        ("mis", "ratio/total/mask_frac", lambda rho, adv: (rho < 0.5) | (rho > 2.0)),
+        # the PPO clip has taken over: A > 0 above 1 + eps, A < 0 below 1 - eps or above the dual clip c = 2
+        (
+            "ppo",
+            "ratio/total/clip_frac",
+            lambda rho, adv: rho > 1.2 if adv > 0 else (rho < 0.8) | (rho > 2.0),
+        ),
+    ],
+)
+def test_combined_rule_reports_where_it_acted(
+    combine: str, key: str, flagged: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> None:
+    # One single-token batch per action a; the metric is 1 exactly where the rule changed the token's weight.
+    cfg = CorrectionConfig(name="centering", combine_with=combine, tis_cap=1.5, dual_clip=2.0)
+    rho = LOGITS.softmax(0) / (LOGITS + WIDE).softmax(0)  # ~ [0.46, 3.0, 1.4, 0.92, 6.1]
+    got = []
+    for a in range(5):
+        _, metrics = policy_loss(action_batch(LOGITS, LOGITS + WIDE, a, ADV, 5, None), cfg)
+        got.append(metrics[key].item())
+    expected = [float(flagged(rho[a], ADV[a])) for a in range(5)]
+    assert got == expected and 0 < sum(expected) < 5
+
+
+def _two_tokens(mask: list[int]) -> LossInputs:
+    """Two positions with their own trainer, sampler and reference distributions over 3 ids, top-2 heads:
+    position 0: p = [0.6, 0.3, 0.1], mu = [0.5, 0.3, 0.2], old = [0.55, 0.35, 0.1], head {0, 1}, a = 0, A = 1;
+    position 1: p = [0.2, 0.5, 0.3], mu = [0.25, 0.45, 0.3], old = p, head {1, 2}, a = 1, A = -2."""
+    p = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]], dtype=F64).log()
+    mu = torch.tensor([[0.5, 0.3, 0.2], [0.25, 0.45, 0.3]], dtype=F64).log()
+    old = torch.tensor([[0.55, 0.35, 0.1], [0.2, 0.5, 0.3]], dtype=F64).log()
+    ids, a = torch.tensor([[0, 1], [1, 2]]), torch.tensor([[0], [1]])
+
+    def pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        return x.gather(-1, at).reshape(1, 2, -1)
+
+    q = pick(p, a).reshape(1, 2).requires_grad_()
+    return LossInputs(
+        trainer_logp=q,
+        sampler_logp=pick(mu, a).reshape(1, 2),
+        decode_logp=q.detach(),
+        prefill_logp=q.detach(),
+        old_logp=pick(old, a).reshape(1, 2),
+        advantages=torch.tensor([[1.0, -2.0]], dtype=F64),
+        mask=torch.tensor([mask]),
+        num_tokens=2,
+        sampler_topk_ids=ids.reshape(1, 2, 2),
+        sampler_topk_logp=pick(mu, ids),
+        trainer_topk_logp=pick(p, ids).requires_grad_(),
+        reference_topk_logp=pick(old, ids),
+    )
+
+
+@pytest.mark.parametrize("name", ["centering", "dlc"])
+def test_each_position_is_centred_on_its_own_head(name: str) -> None:
+    # Micro-batches holding one position each add up to the batch of both: a position's centring term
+    # is built from its own head only.
+    cfg = CorrectionConfig(name=name)
+    full = _two_tokens([1, 1])
+    whole, metrics = policy_loss(full, cfg)
+    whole.backward()
+    parts = [_two_tokens([1, 0]), _two_tokens([0, 1])]
+    total = 0.0
+    for part in parts:
+        value, _ = policy_loss(part, cfg)
+        value.backward()
+        total += value.item()
+    assert whole.item() == pytest.approx(total, abs=1e-15)
+    for field in ("trainer_logp", "trainer_topk_logp"):
+        summed = getattr(parts[0], field).grad + getattr(parts[1], field).grad
+        assert torch.allclose(getattr(full, field).grad, summed, atol=1e-15)
+    # head masses averaged over positions: sampler (0.8 + 0.75) / 2, trainer (0.9 + 0.8) / 2
+    assert metrics["centering/sampler_head_mass"].item() == pytest.approx(0.775)
+    assert metrics["centering/trainer_head_mass"].item() == pytest.approx(0.85)

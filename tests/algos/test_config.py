@@ -14,6 +14,8 @@ def test_registry_covers_every_name() -> None:
     assert tuple(CORRECTIONS) == CORRECTION_NAMES
 
 
+# `allowed` is the whole of what the message offers after "allowed: " / "choose one of: ": the user fixes
+# the config from that one line (rlfw.validation), so it is checked in full, not as a fragment.
 @pytest.mark.parametrize(
     ("overrides", "key", "allowed"),
     [
@@ -22,20 +24,48 @@ def test_registry_covers_every_name() -> None:
             "correction.name='grpo'",
             "none, tis, mis, icepop, centering, ppo_sampler, dlc",
         ),
-        ({"factors": ("trainer", "kv")}, "correction.factors", "subset of trainer, decode, sampler"),
-        ({"factors": ()}, "correction.factors", "non-empty"),
-        ({"factors": ("decode", "decode")}, "correction.factors", "without repeats"),
-        ({"name": "centering", "factors": ("sampler",)}, "correction.factors", "for correction centering"),
-        ({"name": "dlc", "factors": ("trainer",)}, "correction.factors", "for correction dlc"),
+        (
+            {"factors": ("trainer", "kv")},
+            "correction.factors=('trainer', 'kv')",
+            "a non-empty subset of trainer, decode, sampler without repeats",
+        ),
+        (
+            {"factors": ()},
+            "correction.factors=()",
+            "a non-empty subset of trainer, decode, sampler without repeats",
+        ),
+        (
+            {"factors": ("decode", "decode")},
+            "correction.factors=('decode', 'decode')",
+            "a non-empty subset of trainer, decode, sampler without repeats",
+        ),
+        (
+            {"name": "centering", "factors": ("sampler",)},
+            "correction.factors=('sampler',)",
+            "None or all of trainer, decode, sampler for correction centering",
+        ),
+        (
+            {"name": "dlc", "factors": ("trainer",)},
+            "correction.factors=('trainer',)",
+            "None or all of trainer, decode, sampler for correction dlc",
+        ),
         ({"mis_level": "batch"}, "correction.mis_level='batch'", "token, sequence"),
-        ({"mis_bounds": (2.0, 0.5)}, "correction.mis_bounds", "0 <= lo < hi"),
-        ({"icepop_bounds": (-1.0, 5.0)}, "correction.icepop_bounds", "0 <= lo < hi"),
+        ({"mis_bounds": (2.0, 0.5)}, "correction.mis_bounds=(2.0, 0.5)", "a pair (lo, hi) with 0 <= lo < hi"),
+        ({"mis_bounds": (1.0, 1.0)}, "correction.mis_bounds=(1.0, 1.0)", "a pair (lo, hi) with 0 <= lo < hi"),
+        (
+            {"icepop_bounds": (-1.0, 5.0)},
+            "correction.icepop_bounds=(-1.0, 5.0)",
+            "a pair (lo, hi) with 0 <= lo < hi",
+        ),
         ({"combine_with": "icepop"}, "correction.combine_with='icepop'", "none, tis, mis, ppo"),
         ({"aggregation": "sum"}, "correction.aggregation='sum'", "token_mean, seq_mean"),
-        ({"tis_cap": 0.0}, "correction.tis_cap=0.0", "> 0"),
-        ({"clip_eps": 1.5}, "correction.clip_eps=1.5", "(0, 1)"),
-        ({"clip_eps_high": -0.1}, "correction.clip_eps_high=-0.1", "> 0"),
-        ({"dual_clip": 1.0}, "correction.dual_clip=1.0", "> 1"),
+        ({"tis_cap": 0.0}, "correction.tis_cap=0.0", "a number > 0 (inf for untruncated IS)"),
+        ({"clip_eps": 1.5}, "correction.clip_eps=1.5", "a number in (0, 1)"),
+        ({"clip_eps": 1.0}, "correction.clip_eps=1.0", "a number in (0, 1)"),
+        ({"clip_eps": 0.0}, "correction.clip_eps=0.0", "a number in (0, 1)"),
+        ({"clip_eps_high": -0.1}, "correction.clip_eps_high=-0.1", "None or a number > 0"),
+        ({"clip_eps_high": 0.0}, "correction.clip_eps_high=0.0", "None or a number > 0"),
+        ({"dual_clip": 1.0}, "correction.dual_clip=1.0", "None or a number > 1"),
     ],
 )
 def test_validation_names_the_key_and_the_allowed_values(
@@ -43,7 +73,24 @@ def test_validation_names_the_key_and_the_allowed_values(
 ) -> None:
     with pytest.raises(ConfigError) as err:
         CorrectionConfig(**overrides)
-    assert key in str(err.value) and allowed in str(err.value)
+    message = str(err.value)
+    assert message.startswith(key) and message.endswith(allowed), message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"icepop_bounds": (0.0, 5.0)},  # lo = 0: no lower bound
+        {"mis_bounds": (0.0, 2.0)},
+        {"factors": ("trainer", "decode", "sampler")},  # all three, spelled out
+        {"name": "centering", "factors": ("sampler", "decode", "trainer")},
+        {"name": "dlc", "factors": ("trainer", "decode", "sampler")},
+        {"dual_clip": 1.5},  # any c > 1, not only c >= 2
+        {"clip_eps": 0.999, "clip_eps_high": 5.0},
+    ],
+)
+def test_the_edges_of_each_allowed_range_are_accepted(overrides: dict[str, object]) -> None:
+    CorrectionConfig(**overrides)
 
 
 def test_defaults_follow_the_design() -> None:

@@ -13,6 +13,8 @@ If a change breaks one of these, it changes the gradient a training run receives
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ from rlfw.algos import CorrectionConfig, LossInputs, policy_loss, ratio_report
 from rlfw.algos.ppo import ppo_surrogate
 from rlfw.algos.weights import ppo_weight
 
-from ._builders import ADV, NUM_TOKENS, t, three_tokens
+from ._builders import ADV, NUM_TOKENS, R_DECODE, R_SAMPLER, R_TRAINER, Q, streams, t, three_tokens
 
 CASES = [
     # none: loss = -sum(A q) / 4 = -(1*-1 + -2*-2 + 0.5*-0.5) / 4 = -(2.75) / 4; grad = -A / 4
@@ -48,6 +50,15 @@ CASES = [
     # token 0: A > 0, r > 1.2 -> clipped value -1.2 (no grad); token 1: -A r = 2, grad -A r = 2.
     # loss = (2 * -1.2 + 0.8 * 2) / 4 = -0.2; grad = [0, 0.8 * 2 / 4, 0]
     ("icepop", {}, -0.2, [0.0, 0.4, 0.0], {"ratio/numerical/mask_frac": 1 / 3, "ratio/lag/clip_frac": 1 / 3}),
+    # icepop with `factors` set masks that product, not the numerical ratio: sampler factor [2, 1, 0.4],
+    # token 2 dropped; same PPO on the lag. loss = (2 * -1.2 + 1 * 2) / 4 = -0.1; grad = [0, 1 * 2 / 4, 0]
+    (
+        "icepop",
+        {"factors": ("sampler",)},
+        -0.1,
+        [0.0, 0.5, 0.0],
+        {"ratio/sampler/mask_frac": 1 / 3, "ratio/lag/clip_frac": 1 / 3},
+    ),
     # ppo_sampler, eps 0.2: token 0 clipped -1.2; token 1: 2; token 2: A > 0, r = 0.5 below the window is not
     # clipped for a positive advantage: max(-0.25, -0.4) = -0.25. loss = (-1.2 + 2 - 0.25) / 4 = 0.1375
     # grad = -A r / 4 on unclipped tokens = [0, 2/4, -0.25/4]
@@ -77,6 +88,8 @@ def test_policy_loss_closed_form(
         (1.1, 1.0, None, -1.1, -1.1),  # inside the window: -A r, d/dlog r = -A r
         (1.5, 1.0, None, -1.2, 0.0),  # A > 0 above 1 + eps: flat at -1.2
         (0.5, 1.0, None, -0.5, -0.5),  # A > 0 below 1 - eps: min(rA, clip A) = rA, still has gradient
+        (1.2, 1.0, None, -1.2, -1.2),  # A > 0 at exactly 1 + eps: the clip has not taken over yet
+        (0.8, -1.0, None, 0.8, 0.8),  # A < 0 at exactly 1 - eps: likewise
         (0.5, -1.0, None, 0.8, 0.0),  # A < 0 below 1 - eps: flat at -clip(r) A = 0.8
         (4.0, -1.0, None, 4.0, 4.0),  # A < 0 far above: unbounded without dual clip
         (4.0, -1.0, 3.0, 3.0, 0.0),  # dual clip c = 3 caps it at -c A = 3
@@ -174,6 +187,66 @@ def test_icepop_masks_reference_over_sampler(
 def test_metrics_cover_the_ratio_a_correction_acts_on() -> None:
     m = ratio_report(three_tokens(), CorrectionConfig(name="icepop"))
     assert m["ratio/numerical/mean"].item() == pytest.approx(3.2 / 3)  # (2 + 0.8 + 0.4) / 3
+    # a product of factors that is neither one factor nor the total gets its own name:
+    # trainer x sampler = [3, 1, 0.2], mean 4.2 / 3
+    m = ratio_report(three_tokens(), CorrectionConfig(name="tis", factors=("sampler", "trainer")))
+    assert m["ratio/trainer+sampler/mean"].item() == pytest.approx(4.2 / 3)
+    assert torch.allclose(m["ratio/trainer+sampler/hist"], torch.log(t([3.0, 1.0, 0.2])))
+
+
+def test_ess_counts_only_valid_tokens() -> None:
+    # token 2 masked. ESS/N of the lag [1.5, 1]: 2.5^2 / (2 * 3.25);
+    # of the total [3, 0.8]: 3.8^2 / (2 * 9.64)
+    m = ratio_report(three_tokens(mask=torch.tensor([[1, 1, 0]])), CorrectionConfig())
+    assert m["ess/lag"].item() == pytest.approx(6.25 / 6.5)
+    assert m["ess/total"].item() == pytest.approx(3.8**2 / 19.28)
+
+
+# Lag ratios with a negative-advantage token far above the clip: q / old = [1.1, 4, 0.5], A = [1, -2, 0.5];
+# the numerical ratio (decode x sampler) stays [2, 0.8, 0.4].
+R_LAG = [[1.1, 4.0, 0.5]]
+
+
+@pytest.mark.parametrize(
+    ("name", "loss", "grad"),
+    [
+        # token 0: -1.1, grad -1.1; token 1: min(-A r = 8, -c A = 6) = 6, no grad; token 2: max(-0.25, -0.4)
+        # loss = (-1.1 + 6 - 0.25) / 4 = 1.1625; grad = [-1.1, 0, -0.25] / 4
+        ("ppo_sampler", 1.1625, [-0.275, 0.0, -0.0625]),
+        # numerical [2, 0.8, 0.4] in [0.5, 5]: token 2 dropped; loss = (2 * -1.1 + 0.8 * 6) / 4 = 0.65
+        ("icepop", 0.65, [-0.55, 0.0, 0.0]),
+    ],
+)
+def test_dual_clip_bounds_negative_advantage_losses(name: str, loss: float, grad: list[float]) -> None:
+    inputs = three_tokens(**streams(t(Q), R_LAG, R_DECODE, R_SAMPLER))
+    value, metrics = policy_loss(inputs, CorrectionConfig(name=name, dual_clip=3.0))
+    value.backward()
+    assert value.item() == pytest.approx(loss, abs=1e-12)
+    assert torch.allclose(inputs.trainer_logp.grad, t([grad]), atol=1e-12)
+    assert metrics["ratio/lag/clip_frac"].item() == pytest.approx(1 / 3)  # token 1
+
+
+def test_sequence_level_mis_judges_each_sequence_by_its_masked_geometric_mean() -> None:
+    # Row 0: the three tokens, total ratios [3, 0.8, 0.2]: geometric mean 0.48^(1/3) = 0.783 (the arithmetic
+    # mean, 1.33, would leave the window). Row 1: two tokens of ratio 0.4 and a padding position with ratio
+    # 50: geometric mean 0.4 over its masked tokens, dropped (over all three positions it would be
+    # 0.16^(1/3) = 0.54, kept). Window [0.5, 1.2].
+    q = t([Q[0], [-1.0, -1.5, -0.3]], grad=True)
+    fields = streams(q, [R_TRAINER[0], [0.4, 0.4, 50.0]], [R_DECODE[0], [1.0] * 3], [R_SAMPLER[0], [1.0] * 3])
+    inputs = LossInputs(
+        trainer_logp=q,
+        advantages=t([ADV[0], [2.0, -1.0, 7.0]]),
+        mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        num_tokens=5,
+        **fields,
+    )
+    cfg = CorrectionConfig(name="mis", mis_level="sequence", mis_bounds=(0.5, 1.2))
+    loss, metrics = policy_loss(inputs, cfg)
+    loss.backward()
+    # row 0 kept with its token ratios: -(3 * 1 * -1 + 0.8 * -2 * -2 + 0.2 * 0.5 * -0.5) / 5 = 0.15 / 5
+    assert loss.item() == pytest.approx(-0.03, abs=1e-12)
+    assert torch.allclose(q.grad, t([[-0.6, 0.32, -0.02], [0.0, 0.0, 0.0]]), atol=1e-12)
+    assert metrics["ratio/total/mask_frac"].item() == pytest.approx(2 / 5)
 
 
 def test_seq_mean_aggregation() -> None:
@@ -192,7 +265,7 @@ def test_seq_mean_aggregation() -> None:
 
 
 def test_seq_mean_needs_num_sequences() -> None:
-    with pytest.raises(ValueError, match="num_sequences"):
+    with pytest.raises(ValueError, match="^correction.aggregation=seq_mean needs LossInputs.num_sequences"):
         policy_loss(three_tokens(), CorrectionConfig(aggregation="seq_mean"))
 
 
@@ -239,6 +312,8 @@ def test_mask_accepts_float_zero_one() -> None:
         ("advantages", torch.zeros(1, 4), "LossInputs.advantages has shape"),
         ("trainer_topk_logp", torch.zeros(1, 3, 2), "top-k tensors must all be"),
         ("num_tokens", 0, "num_tokens must be > 0"),
+        ("num_sequences", 0, "num_sequences must be > 0"),
+        ("trainer_logp", t([-1.0, -2.0, -0.5]), "trainer_logp must be \\[B, T\\], got shape \\(3,\\)"),
     ],
 )
 def test_loss_inputs_validation(field: str, value: object, match: str) -> None:
@@ -246,9 +321,27 @@ def test_loss_inputs_validation(field: str, value: object, match: str) -> None:
         three_tokens(**{field: value, "sampler_topk_logp": torch.zeros(1, 3, 3)})
 
 
-def test_centering_without_top_k_names_the_missing_inputs() -> None:
-    with pytest.raises(ValueError, match="trainer_topk_logp"):
-        policy_loss(three_tokens(), CorrectionConfig(name="centering"))
+@pytest.mark.parametrize("shape", [(1, 3), (1, 4, 2), (2, 3, 2)])
+def test_a_top_k_tensor_not_shaped_b_t_k_is_refused_alone(shape: tuple[int, ...]) -> None:
+    # the message names the expected [B, T, k] and what was found
+    found = re.escape(str([shape]))
+    with pytest.raises(ValueError, match=rf"top-k tensors must all be \[1, 3, k\], got {found}"):
+        three_tokens(sampler_topk_logp=torch.zeros(shape))
+
+
+@pytest.mark.parametrize("name", ["centering", "dlc"])
+@pytest.mark.parametrize("given", [(), ("sampler_topk_logp",), ("trainer_topk_logp",)])
+def test_head_corrections_without_top_k_name_the_missing_inputs(name: str, given: tuple[str, ...]) -> None:
+    heads = {key: torch.zeros(1, 3, 2) for key in given}
+    expected = f"correction.name={name} needs LossInputs.trainer_topk_logp and LossInputs.sampler_topk_logp"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        policy_loss(three_tokens(**heads), CorrectionConfig(name=name))
+
+
+def test_dlc_without_the_reference_head_names_it() -> None:
+    heads = {"sampler_topk_logp": torch.zeros(1, 3, 2), "trainer_topk_logp": torch.zeros(1, 3, 2)}
+    with pytest.raises(ValueError, match="^correction.name=dlc needs LossInputs.reference_topk_logp"):
+        policy_loss(three_tokens(**heads), CorrectionConfig(name="dlc"))
 
 
 def test_sequence_ess_sees_a_spread_that_token_ess_hides() -> None:
@@ -278,4 +371,17 @@ def test_sequence_ess_counts_only_sequences_with_tokens() -> None:
     inputs = three_tokens(mask=torch.tensor([[True, True, False]]))
     m = ratio_report(inputs, CorrectionConfig())
     assert m["ess/lag_seq"].item() == pytest.approx(1.0)  # one sequence: ESS/N is 1
+    assert m["ess/total_seq"].item() == pytest.approx(1.0)
+    # ... and a padding row (no masked token) is not a sequence of weight 1: still one sequence, ESS/N 1
+    q = t([Q[0], [-1.0, -1.0, -1.0]], grad=True)
+    two_rows = streams(q, [R_TRAINER[0], [1.0] * 3], [R_DECODE[0], [1.0] * 3], [R_SAMPLER[0], [1.0] * 3])
+    padded = LossInputs(
+        trainer_logp=q,
+        advantages=t([ADV[0], [0.0] * 3]),
+        mask=torch.tensor([[1, 1, 1], [0, 0, 0]]),
+        num_tokens=3,
+        **two_rows,
+    )
+    m = ratio_report(padded, CorrectionConfig())
+    assert m["ess/lag_seq"].item() == pytest.approx(1.0)
     assert m["ess/total_seq"].item() == pytest.approx(1.0)

@@ -65,7 +65,9 @@ def test_ess_from_log_survives_huge_log_weights() -> None:
 
 
 def test_ess_of_nothing_is_nan() -> None:
-    assert torch.isnan(ess_from_log(t([0.5, 0.1]), torch.tensor([False, False])))
+    nothing = ess_from_log(t([0.5, 0.1]), torch.tensor([False, False]))
+    assert torch.isnan(nothing)
+    assert nothing.dtype == F64  # the dtype of a defined ESS, so a step's metrics stack and reduce together
     assert torch.isnan(ess(t([0.5, 0.1]), torch.tensor([False, False])))
 
 
@@ -97,3 +99,32 @@ def test_ratio_metrics_of_an_exact_ratio() -> None:
     assert m["ratio/decode/mean"].item() == 1.0
     assert m["ratio/decode/max_abs_log"].item() == 0.0
     assert m["ratio/decode/k3_kl"].item() == 0.0
+
+
+def test_ratio_metrics_of_no_token_are_nan() -> None:
+    # a micro-batch whose tokens are all masked (or dropped as non-finite): NaN, not an error, and float64
+    # like the metrics of a float64 ratio with tokens
+    m = ratio_metrics("lag", t([[0.3, -0.2]]), torch.zeros(1, 2))
+    for stat in ("mean", "max_abs_log", "k3_kl"):
+        assert m[f"ratio/lag/{stat}"].shape == () and torch.isnan(m[f"ratio/lag/{stat}"])
+        assert m[f"ratio/lag/{stat}"].dtype == F64
+    assert m["ratio/lag/hist"].numel() == 0
+
+
+def test_ratio_metrics_of_one_token() -> None:
+    m = ratio_metrics("lag", t([[math.log(2.0), 5.0]]), torch.tensor([[1, 0]]))
+    assert m["ratio/lag/mean"].item() == pytest.approx(2.0)
+    assert m["ratio/lag/max_abs_log"].item() == pytest.approx(math.log(2.0))
+    assert m["ratio/lag/k3_kl"].item() == pytest.approx(1.0 - math.log(2.0))  # (2 - 1) - log 2
+
+
+def test_ratio_metrics_of_bfloat16_ratios_are_computed_in_float32() -> None:
+    # 4096 bf16 log ratios: the mean of exp(lr) accumulated in bf16 would be off in the second digit
+    lr = (torch.linspace(-0.5, 0.5, 4096, dtype=F64) ** 3).to(torch.bfloat16).reshape(1, -1)
+    m = ratio_metrics("sampler", lr, torch.ones_like(lr))
+    exact = torch.exp(lr.double()).mean()
+    assert m["ratio/sampler/mean"].dtype == torch.float32
+    assert m["ratio/sampler/mean"].item() == pytest.approx(exact.item(), rel=1e-6)
+    assert m["ratio/sampler/k3_kl"].item() == pytest.approx(
+        (torch.expm1(lr.double()) - lr.double()).mean().item(), rel=1e-4
+    )

@@ -18,6 +18,7 @@ TABLE = [
     ("interval", 3, 1.0, 4, 3, None, False),
     ("interval", 4, 1.0, 4, 4, None, True),  # reached the interval
     ("interval", 5, 1.0, 4, 5, None, True),
+    ("interval", 1, 1.0, 1, 1, None, True),  # interval 1 is allowed: sync after every step
     ("ess", 10, 0.6, 4, 10, None, False),  # ESS healthy: keep going however long
     ("ess", 1, 0.5, 4, 1, None, False),  # at the threshold is not below it
     ("ess", 1, 0.49, 4, 1, None, True),

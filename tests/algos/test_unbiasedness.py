@@ -11,9 +11,19 @@ import math
 import pytest
 import torch
 
-from rlfw.algos import CorrectionConfig
+from rlfw.algos import CorrectionConfig, policy_loss
 
-from ._categorical import ADV, LOGITS, MILD, WIDE, expected_grad, per_action_grads, score, true_loss_grad
+from ._categorical import (
+    ADV,
+    LOGITS,
+    MILD,
+    WIDE,
+    action_batch,
+    expected_grad,
+    per_action_grads,
+    score,
+    true_loss_grad,
+)
 
 TOL = 1e-12
 
@@ -169,3 +179,26 @@ def test_dlc_bias_under_lag_and_discrepancy_is_the_centring_covariance() -> None
     assert torch.allclose(g, true_loss_grad(LOGITS, ADV) + bias, atol=TOL)
     flat = expected_grad(CorrectionConfig(name="dlc"), LOGITS, sampler, ONES, k=5, old_logits=old)
     assert flat.abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("dual_clip", [None, 1.5])
+def test_dlc_clips_the_lag_weight_inside_the_centring_term(dual_clip: float | None) -> None:
+    # Full head, lag on both sides of the clip, sampler != old. Per sampled action a:
+    #   g_a = -A_a (w_a s_a - sum_v (mu_v - old_v) w_v s_v),   w_v = ppo_weight(q_v / old_v, A_a),
+    # the clip judged with the sampled token's advantage for every v. q / old ~ [0.53, 1.59, 1.01, 0.65,
+    # 1.94], so an unclipped w inside the centring term, or one that ignores the dual clip c = 1.5 on the
+    # negative-advantage rows 1 and 4, gives other rows.
+    old = LOGITS - LAG_WIDE
+    sampler = old + MILD
+    cfg = CorrectionConfig(name="dlc", dual_clip=dual_clip)
+    rows = per_action_grads(cfg, LOGITS, sampler, ADV, k=5, old_logits=old)
+    p, q_old, mu, s_ = LOGITS.softmax(0), old.softmax(0), sampler.softmax(0), score(LOGITS)
+    r = p / q_old
+    c = dual_clip or math.inf
+    for a in range(5):
+        active = (r <= 1.2) if ADV[a] > 0 else (r >= 0.8) & (r <= c)
+        w = torch.where(active, r, 0.0)
+        expected = -ADV[a] * (w[a] * s_[a] - ((mu - q_old) * w) @ s_)
+        assert torch.allclose(rows[a], expected, atol=TOL), a
+        _, metrics = policy_loss(action_batch(LOGITS, sampler, a, ADV, 5, old), cfg)
+        assert metrics["ratio/lag/clip_frac"].item() == float(not active[a])
