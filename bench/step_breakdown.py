@@ -10,9 +10,11 @@ Two measurements on the same machine:
    the same engine settings and the same DeepSpeed backend: pure compute. The difference between the
    two is orchestration (Ray calls, serialisation, scheduling).
 
-Inside generation, the prefill stream (one prefill of every finished sequence) is timed separately,
-and the trainer's scoring forward, which the contract lets the trainer skip by taking the prefill
-stream as the old-policy log-prob, is timed against the train step it would be added to.
+The Ray run also reports the peak resident memory of the engine actor and the trainer rank
+(``memory/*`` in metrics.jsonl). Inside generation, the prefill stream (one prefill of every finished
+sequence) is timed separately, and the trainer's scoring forward, which the contract lets the trainer
+skip by taking the prefill stream as the old-policy log-prob, is timed against the train step it would
+be added to.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from rlfw.trainer.step import StepSpec, train_step
 from rlfw.types import GenerationRequest
 
 PHASES = ("time/generate", "time/reward", "time/train", "time/sync", "time/step")
+MEMORY = ("memory/rollout_peak_rss_mb", "memory/trainer_peak_rss_mb")
 
 
 def ray_run(root: Path, steps: int, overrides: list[str]) -> dict[str, float]:
@@ -58,7 +61,8 @@ def ray_run(root: Path, steps: int, overrides: list[str]) -> dict[str, float]:
     ]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     rows = [json.loads(line) for line in (root / "b" / "metrics.jsonl").read_text().splitlines()][1:]
-    return {k: statistics.median(r[k] for r in rows) for k in PHASES}
+    phases = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+    return phases | {k: max(r[k] for r in rows) for k in MEMORY}
 
 
 def _without_stop(response: torch.Tensor, eos: int) -> list[int]:
@@ -161,6 +165,10 @@ def main() -> None:
     print(
         f"trainer scoring forward skipped by reusing the prefill stream: {local['score']:.3f} s "
         f"= {local['score'] / local['train']:.1%} of the train step it would be added to"
+    )
+    print(
+        f"peak resident memory (Ray run): rollout actor {ray_phases[MEMORY[0]]:.0f} MiB, "
+        f"trainer rank {ray_phases[MEMORY[1]]:.0f} MiB"
     )
 
 

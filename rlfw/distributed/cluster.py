@@ -106,6 +106,15 @@ def placement_fingerprints(pools: dict[str, Pool], engine: str) -> dict[str, dic
     return {slot: ray.get(ref) for slot, ref in refs.items()}
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(peak) / (1024 * 1024 if sys.platform == "darwin" else 1024)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -106,6 +106,10 @@ class RolloutGroup:
         for i in range(len(self.actors)):
             self._call(i, "update_weights", update_ref)
 
+    def peak_rss_mb(self) -> float:
+        """The largest peak resident memory among the engine actors, in MiB."""
+        return max(ray.get([a.peak_rss_mb.remote() for a in self.actors]))
+
     def kill(self, index: int) -> None:
         """Kill an actor (tests and fault drills); the next call replaces it."""
         ray.kill(self.actors[index], no_restart=True)
@@ -148,6 +152,10 @@ class TrainerGroup:
 
     def load(self, folder: str, tag: str) -> None:
         ray.get([a.load.remote(folder, tag) for a in self.actors])
+
+    def peak_rss_mb(self) -> float:
+        """The largest peak resident memory among the trainer ranks, in MiB."""
+        return max(ray.get([a.peak_rss_mb.remote() for a in self.actors]))
 
     def shutdown(self) -> None:
         ray.get([a.shutdown.remote() for a in self.actors])

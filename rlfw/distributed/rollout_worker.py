@@ -23,6 +23,7 @@ import threading
 import ray
 
 from rlfw.config import EngineConfig
+from rlfw.distributed.cluster import peak_rss_mb
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup
 from rlfw.rollout.engine import Engine
@@ -128,6 +129,10 @@ class RolloutWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def peak_rss_mb(self) -> float:
+        """This actor's peak resident memory (weights, KV cache, activations), in MiB."""
+        return peak_rss_mb()
 
 
 RolloutActor = ray.remote(RolloutWorker)

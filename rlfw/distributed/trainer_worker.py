@@ -8,6 +8,7 @@ from typing import Any
 import ray
 import torch
 
+from rlfw.distributed.cluster import peak_rss_mb
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup, describe
 from rlfw.trainer.deepspeed_backend import DeepSpeedBackend, OptimConfig
@@ -81,6 +82,10 @@ class TrainerWorker:
 
     def load(self, folder: str, tag: str) -> None:
         self.backend.load(folder, tag)
+
+    def peak_rss_mb(self) -> float:
+        """This rank's peak resident memory (model, optimizer state, activations), in MiB."""
+        return peak_rss_mb()
 
     def shutdown(self) -> None:
         """Leave the process group cleanly (without this, runs abort at exit)."""

@@ -93,6 +93,7 @@ RUN_SECTION = Section(
         Panel("tokens / s", (m.THROUGHPUT_TOKENS_PER_S,)),
         Panel("samples / s", (m.THROUGHPUT_SAMPLES_PER_S,)),
         Panel("seconds", (m.TIME_STEP, m.TIME_GENERATE, m.TIME_TRAIN, m.TIME_SYNC)),
+        Panel("peak resident memory (MiB)", m.MEMORY_KEYS),
     ),
 )
 

@@ -85,6 +85,11 @@ update landed in, the numerics-only factor."""
 REQUIRED_RUN_KEYS: tuple[str, ...] = (REWARD_MEAN, LOSS_POLICY, GRAD_NORM, THROUGHPUT_TOKENS_PER_S, TIME_STEP)
 """The one key of each usual family (`reward/*`, `loss/*`, ...) that every step must carry."""
 
+MEMORY_ROLLOUT_PEAK_RSS_MB = "memory/rollout_peak_rss_mb"
+MEMORY_TRAINER_PEAK_RSS_MB = "memory/trainer_peak_rss_mb"
+MEMORY_KEYS: tuple[str, ...] = (MEMORY_ROLLOUT_PEAK_RSS_MB, MEMORY_TRAINER_PEAK_RSS_MB)
+"""Peak resident memory of the largest engine actor and trainer rank so far (MiB), logged every step."""
+
 OPTIONAL_RUN_KEYS: tuple[str, ...] = (
     REWARD_STD,
     LOSS_VALUE,
@@ -93,6 +98,7 @@ OPTIONAL_RUN_KEYS: tuple[str, ...] = (
     TIME_GENERATE,
     TIME_TRAIN,
     TIME_SYNC,
+    *MEMORY_KEYS,
 )
 
 

@@ -74,8 +74,30 @@ def sampler_topk(ops: Ops, sampler_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """
     logp = ops.log_softmax(sampler_BV)
     k = min(k, logp.shape[-1])
-    order = torch.sort(logp, dim=-1, descending=True, stable=True).indices[:, :k]
-    return order, logp.gather(-1, order)
+    return stable_topk(logp, k)
+
+
+def stable_topk(values_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest entries of each row, largest first, ties to the lower id: the first ``k`` of a
+    stable descending sort, without sorting the whole vocabulary.
+
+    ``torch.topk`` finds the set; where no tie crosses its boundary (the k-th value is strictly larger
+    than every entry left out) the set is exact, and ordering it by (value descending, id ascending) is
+    a sort of ``k`` entries. Rows with a tie at the boundary take the full stable sort.
+    """
+    if k == 0:
+        return values_BV.new_zeros(values_BV.shape[0], 0, dtype=torch.long), values_BV[:, :0]
+    top, ids = torch.topk(values_BV, k, dim=-1)
+    by_id = torch.sort(ids, dim=-1).indices  # candidates in ascending id, then stably by value
+    ids = ids.gather(-1, by_id)
+    order = torch.sort(top.gather(-1, by_id), dim=-1, descending=True, stable=True).indices
+    ids = ids.gather(-1, order)
+    crossing = (values_BV >= top.amin(-1, keepdim=True)).sum(-1) > k
+    if bool(crossing.any()):
+        rows = crossing.nonzero(as_tuple=True)[0]
+        full = torch.sort(values_BV[rows], dim=-1, descending=True, stable=True).indices[:, :k]
+        ids[rows] = full
+    return ids, values_BV.gather(-1, ids)
 
 
 def token_streams(ops: Ops, logits: NextTokenLogits, tokens_B: Tensor, k: int) -> TokenStreams:

@@ -114,6 +114,7 @@ def async_steps(d: Driver) -> None:
         times = StepTimes(t1 - t0, trained.reward_s, trained.train_s, t4 - t3, t4 - t0)
         tokens = sum(s.response_T.shape[0] for s in samples)
         metrics |= time_metrics(tokens, len(samples), times.total, times)
+        metrics |= d.memory()
         metrics |= {
             "sync/resyncs": float(clock.resyncs),
             "sync/resynced": float(resynced),

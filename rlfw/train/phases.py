@@ -44,6 +44,13 @@ class Driver:
     def checkpoint(self) -> None:
         save_checkpoint(self.run_dir, self.trainer, self.weights, self.state)
 
+    def memory(self) -> dict[str, float]:
+        """Peak resident memory of the largest engine actor and trainer rank so far (MiB)."""
+        return {
+            "memory/rollout_peak_rss_mb": self.rollout.peak_rss_mb(),
+            "memory/trainer_peak_rss_mb": self.trainer.peak_rss_mb(),
+        }
+
     def checkpoint_if_due(self, step: int) -> None:
         if checkpoint_due(self.run.trainer.checkpoint_every, self.run.trainer.steps, step):
             self.checkpoint()

@@ -32,6 +32,7 @@ def sync_steps(d: Driver) -> None:
         metrics = step_report(trained, run.correction, state.version, state.resyncs + 1, times)
         d.state = RunState(step, state.version + 1, state.tag, state.resyncs + 1)
         d.weights.keep_only(d.state)
+        metrics |= d.memory()
         metrics |= {
             "sync/engine_restarts": float(d.rollout.restarts),
             "sync/engine_version": float(max(s.final_version for s in samples)),  # as the engines recorded it

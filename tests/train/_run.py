@@ -19,11 +19,11 @@ from rlfw.distributed.cluster import SUBPROCESS_ENV
 SMALL = ["algo.prompts_per_step=4", "algo.group_size=4", "task.warm_start_steps=20", "logger.wandb=false"]
 
 
-SCALAR_KEYS_THAT_VARY = ("time/", "throughput/")
+SCALAR_KEYS_THAT_VARY = ("time/", "throughput/", "memory/")
 
 
 def comparable(row: dict[str, Any]) -> dict[str, Any]:
-    """A metrics row without the keys that depend on the machine's speed."""
+    """A metrics row without the keys that depend on the machine's speed and memory use."""
     return {k: v for k, v in row.items() if not k.startswith(SCALAR_KEYS_THAT_VARY)}
 
 

@@ -72,6 +72,10 @@ def test_metrics_and_the_offline_wandb_run_carry_every_key(default_run: Run) -> 
         assert not set(required_keys(moe=False)) - set(h)
         assert h["reward/mean"] == r["reward/mean"]
         assert h["ratio/sampler/hist"]["_type"] == "histogram"
+    # peak resident memory of the engine actor and the trainer rank, reported every step, never shrinking
+    for key in ("memory/rollout_peak_rss_mb", "memory/trainer_peak_rss_mb"):
+        peaks = [r[key] for r in rows]
+        assert peaks[0] > 100 and peaks == sorted(peaks), key  # each holds torch and a model: > 100 MiB
 
 
 @pytest.mark.slow
