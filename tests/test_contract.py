@@ -97,7 +97,12 @@ def _probe(**env: str) -> dict[str, str]:
 
     base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=base | env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", _PROBE],
+        env=base | env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return dict(json.loads(out.splitlines()[-1]))
 

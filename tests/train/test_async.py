@@ -233,11 +233,18 @@ def test_in_flight_updates_end_to_end(root: Path, kv_policy: str) -> None:
 
 @pytest.mark.slow
 def test_async_with_the_discrepancy_lag_correction_learns(root: Path) -> None:
-    """The embedded default in async mode with one switch, correction=dlc (ESS-triggered resync by
-    default): reward rises over 60 steps. (Without a correction the same async run degrades:
-    bench/RESULTS.md.)"""
+    """The embedded default in async mode with correction=dlc (ESS-triggered resync by default) and
+    trainer.lr=1e-3: reward rises over 60 steps. Under the contract there is no numerical discrepancy,
+    so dlc is PPO-clip against the sampler's weights; at the recipe's lr 2e-3 that async run degrades on
+    this task, as the uncorrected one does (bench/RESULTS.md, "Does async learn?")."""
     run = run_train(
-        root, "async_dlc_learns", "sync=async", "correction=dlc", "logger.wandb=false", timeout=900
+        root,
+        "async_dlc_learns",
+        "sync=async",
+        "correction=dlc",
+        "trainer.lr=1e-3",
+        "logger.wandb=false",
+        timeout=900,
     )
     assert run.returncode == 0, run.log[-3000:]
     rewards = [row["reward/mean"] for row in run.metrics()]
