@@ -31,17 +31,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-SHAPE_13M = dict(
-    model_type="qwen3",
-    vocab_size=362,
-    hidden_size=512,
-    intermediate_size=1536,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-)
-
 
 def run_tests() -> dict[str, Any]:
     t0 = time.perf_counter()
@@ -56,11 +45,14 @@ def run_tests() -> dict[str, Any]:
 
 
 def model_13m(kernels: str) -> Any:
+    """The 13M model of ``bench/rollout_vs_peers.py`` (same config), on the device."""
+    from rollout_vs_peers import hf_config
+
     from rlfw.model import Transformer
-    from rlfw.model.config import ModelArgs
+    from rlfw.model.config import args_from_hf_config
 
     torch.manual_seed(0)
-    return Transformer(ModelArgs(**SHAPE_13M), kernels=kernels).cuda()
+    return Transformer(args_from_hf_config(hf_config("13m")), kernels=kernels).cuda()
 
 
 def invariant_cost(reps: int) -> dict[str, Any]:

@@ -44,18 +44,24 @@ SIZES: dict[str, dict[str, int]] = {
 VOCAB = 362
 
 
+def hf_config(size: str) -> dict[str, Any]:
+    """The ``config.json`` fields of the benchmark's Qwen3 model of ``size``."""
+    return {
+        "model_type": "qwen3",
+        "vocab_size": VOCAB,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        **SIZES[size],
+    }
+
+
 def write_checkpoint(size: str, folder: str) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        torch_dtype="float32",
-        **SIZES[size],
-    )
+    fields = {k: v for k, v in hf_config(size).items() if k != "model_type"}
+    cfg = Qwen3Config(torch_dtype="float32", **fields)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(folder, safe_serialization=True)

@@ -114,9 +114,8 @@ def train_step(
             topk=topk,
             values=critic is not None,
         )
-        inputs = loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences)
-        if old_head is not None:
-            inputs.reference_topk_logp = old_head[rows]
+        head = None if old_head is None else old_head[rows]
+        inputs = loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences, head)
         loss, metrics = policy_loss(inputs, spec.correction)
         if critic is not None and spec.ppo is not None and out.values is not None:
             _, old_values, returns = critic
@@ -151,10 +150,17 @@ def _critic_targets(
 
 
 def loss_inputs(
-    mb: TrainBatch, q: Tensor, q_topk: Tensor | None, old: Tensor, num_tokens: int, num_sequences: int
+    mb: TrainBatch,
+    q: Tensor,
+    q_topk: Tensor | None,
+    old: Tensor,
+    num_tokens: int,
+    num_sequences: int,
+    old_head: Tensor | None = None,
 ) -> LossInputs:
     """The loss's view of a (micro-)batch: its streams, the trainer's log-probs ``q`` and the reference
-    ``old`` (all ``[B, L-1]``), the trainer's top-k head when the correction reads it, global counts.
+    ``old`` (all ``[B, L-1]``), the trainer's top-k head when the correction reads it and the reference's
+    (``old_head``, for dlc), global counts.
 
     A token without a prefill value (``engine.prefill_fraction < 1``, allowed only where the contract
     claims prefill and decode bitwise equal) takes its decode value there: the same bits, so its trainer
@@ -175,4 +181,5 @@ def loss_inputs(
         sampler_topk_ids=mb.topk_ids if q_topk is not None else None,
         sampler_topk_logp=mb.topk_logp if q_topk is not None else None,
         trainer_topk_logp=q_topk,
+        reference_topk_logp=old_head,
     )
