@@ -87,7 +87,9 @@ class EngineConfig:
     num_actors: int = 1  # engine actors in the rollout pool
     max_slots: int = 64  # sequences decoded concurrently per actor (continuous batching)
     max_new_tokens: int = 32  # response length cap
-    max_model_len: int = 256  # prompt + response cap (KV cache capacity)
+    max_model_len: int = 256  # prompt + response cap (the most a KV cache row can grow to)
+    kv_cache_preallocate: bool = False  # built-in engine: allocate max_slots x max_model_len positions
+    # up front (else the cache grows with the longest sequence it has held)
     kv_policy: str = "keep"  # after an in-flight weight update: keep the stale KV cache | recompute it
     in_flight: bool = False  # weight updates may land between decode steps of unfinished sequences
     seed: int = 0  # sampling seed

@@ -79,10 +79,13 @@ class Transformer(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+    def new_cache(self, num_slots: int, capacity: int, max_capacity: int | None = None) -> KVCache:
+        """A cache of ``num_slots`` rows of ``capacity`` positions, growing to ``max_capacity``."""
         p = self.model.embed_tokens.weight
         a = self.args
-        return KVCache(a.num_layers, num_slots, capacity, a.num_kv_heads, a.head_dim, p.dtype, p.device)
+        return KVCache(
+            a.num_layers, num_slots, capacity, a.num_kv_heads, a.head_dim, p.dtype, p.device, max_capacity
+        )
 
     def positions(self, attention_mask: Tensor, cache: KVCache | None, slots: Tensor | None) -> Tensor:
         """Position of each token, ``-1`` for padding; left and right padding give the same positions."""
@@ -91,12 +94,7 @@ class Transformer(nn.Module):
         if cache is not None:
             assert slots is not None
             pos = pos + cache.lengths[slots][:, None]
-            end = int(pos.max().item()) + 1 if mask.any() else 0
-            if end > cache.capacity:
-                raise ValueError(
-                    f"sequence needs {end} KV positions but the cache holds {cache.capacity}; "
-                    "raise the engine's max length (cache capacity)"
-                )
+            cache.reserve(int(pos.max().item()) + 1 if mask.any() else 0)
         return pos.masked_fill(mask == 0, -1)
 
     def _run(

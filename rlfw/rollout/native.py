@@ -9,15 +9,16 @@ admitted as soon as a slot is free and a finished sequence frees its slot in the
 2. **decode**: feed every running sequence its pending token, draw the next one with a seed that depends
    only on (seed, prompt, sample, step), and record ``sampler_logp``, ``decode_logp``, the sampler's
    top-k, ``version`` and ``kv_version``;
-3. **retire**: run one prefill forward over each finished sequence, in its own (emptied) slot, at the
-   current weights, for ``prefill_logp``, and hand out :class:`~rlfw.types.Sample` records.
+3. **retire**: run one prefill forward over each finished sequence, in its own slot, at the current
+   weights, for ``prefill_logp``, and hand out :class:`~rlfw.types.Sample` records. The slot's prompt
+   rows are kept when a prefill wrote them at the current version (as a prefix cache would serve them),
+   so the forward covers the response; otherwise the whole row is prefilled again.
 
-The prefill stream runs through the cache (a fresh slot) rather than the model's no-cache path because
-that is the path the engine prefills prompts with, the one ``prefill_logp`` is meant to measure (vLLM's
-prompt logprobs also go through its cache). Under ``kernels=invariant`` the attention reduces a query over
-the same positions in the same order from either layout, so it is also bit-identical to the trainer's
-no-cache scoring forward;
-the tests check both claims.
+The prefill stream runs through the cache rather than the model's no-cache path because that is the
+path the engine prefills prompts with, the one ``prefill_logp`` is meant to measure (vLLM's prompt
+logprobs also go through its cache, prefix cache included). Under ``kernels=invariant`` the attention
+reduces a query over the same positions in the same order from either layout, so it is also
+bit-identical to the trainer's no-cache scoring forward; the tests check both claims.
 
 Weight updates land between steps (:meth:`NativeEngine.update_weights`). With ``in_flight=True`` they
 may land while sequences are unfinished; those continue on their stale KV (``kv_policy=keep``:
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 KV_POLICIES = ("keep", "recompute")
 PLAIN = Transforms()  # no transforms: sample from the model's distribution
+KV_INITIAL_POSITIONS = 64  # per slot row; the cache doubles from here up to max_model_len as needed
 
 
 class NativeEngine:
@@ -78,6 +80,7 @@ class NativeEngine:
         contract_hash: str = "",
         version: int = 0,
         prefill_fraction: float = 1.0,
+        kv_cache_preallocate: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"sampler.precision={precision!r}; allowed: {', '.join(PRECISIONS)}")
@@ -93,7 +96,8 @@ class NativeEngine:
         self.transforms, self.precision, self.kv_policy = transforms, precision, kv_policy
         self.stop_ids, self.seed, self.topk_logprobs = set(stop_ids), seed, topk_logprobs
         self.max_model_len, self.in_flight, self.contract_hash = max_model_len, in_flight, contract_hash
-        self.cache = model.new_cache(max_slots, max_model_len)
+        initial = max_model_len if kv_cache_preallocate else min(max_model_len, KV_INITIAL_POSITIONS)
+        self.cache = model.new_cache(max_slots, initial, max_capacity=max_model_len)
         self.slots = SlotPool(max_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
@@ -127,6 +131,7 @@ class NativeEngine:
             in_flight=engine_cfg.in_flight,
             contract_hash=contract_hash,
             prefill_fraction=engine_cfg.prefill_fraction,
+            kv_cache_preallocate=engine_cfg.kv_cache_preallocate,
         )
 
     @property
@@ -210,6 +215,7 @@ class NativeEngine:
         assert prefix is not None
         prefix.write_to(self.cache, seq.slot)
         seq.kv_oldest = prefix.version if prefix.length else None
+        seq.prompt_kv_version = prefix.version
         seq.routing = [] if prefix.routing is None else [prefix.routing]
         seq.group.admitted_one()
         self.running[seq.slot] = seq
@@ -264,18 +270,33 @@ class NativeEngine:
         return samples
 
     def _score(self, done: list[Sequence]) -> list[Sample]:
-        rows = [s.tokens for s in done]
-        hidden, routing = refill_rows(self.model, rows, self.cache, [s.slot for s in done])
+        """One prefill forward over the finished sequences. Where the slot's prompt rows were themselves
+        prefilled at the current version (the usual case), they are kept, as a prefix cache keeps them,
+        and the forward covers the last prompt token and the response; otherwise the whole row is
+        prefilled again. Under ``kernels=invariant`` both give the same bits (a query reduces over the
+        same positions in the same order whichever forward wrote them)."""
+        starts = [self._reusable_prompt(seq) for seq in done]
+        for seq, start in zip(done, starts, strict=True):
+            self.cache.lengths[seq.slot] = start
+        rows = [s.tokens[start:] for s, start in zip(done, starts, strict=True)]
+        hidden, routing = forward_rows(self.model, rows, self.cache, [s.slot for s in done])
         self._count(rows, "score_tokens")
         samples = []
-        for i, (seq, row) in enumerate(zip(done, rows, strict=True)):
-            p, n = seq.prompt_P.shape[0], row.shape[0]
+        for i, (seq, row, start) in enumerate(zip(done, rows, starts, strict=True)):
+            p, n = seq.prompt_P.shape[0] - start, row.shape[0]
             response = row[p:]
             ids = torch.stack(seq.topk_ids)
             prefill, head = response_logp(self.model, hidden[i, :n], p, response, self.transforms, ids)
             last = None if routing is None else routing[i, n - 1 : n]
             samples.append(seq.to_sample(prefill, head, last, self._version))
         return samples
+
+    def _reusable_prompt(self, seq: Sequence) -> int:
+        """How many leading cache rows of ``seq``'s slot the prefill stream may keep: the prompt's
+        (all but its last token) when a prefill forward wrote them at the current version, else 0."""
+        if seq.prompt_kv_version == self._version:
+            return seq.prompt_P.shape[0] - 1
+        return 0
 
     # -- weights ---------------------------------------------------------------------------------------
 

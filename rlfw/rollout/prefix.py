@@ -44,6 +44,7 @@ class PrefixKV:
     def write_to(self, cache: KVCache, slot: int) -> None:
         """Make cache row ``slot`` hold exactly this prefix (rows and length)."""
         n = self.length
+        cache.reserve(n)
         for layer in range(len(cache.k)):
             cache.k[layer][slot, :n] = self.k[layer]
             cache.v[layer][slot, :n] = self.v[layer]

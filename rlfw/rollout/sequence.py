@@ -36,6 +36,7 @@ class Sequence:
     forced_T: Tensor | None = None  # teacher-forced response (audit), decoded exactly
     slot: int = -1
     kv_oldest: int | None = None  # oldest weight version among the entries in its slot
+    prompt_kv_version: int | None = None  # version of the prefill that wrote the prompt's rows
     response: list[int] = field(default_factory=list)
     sampler_logp: list[Tensor] = field(default_factory=list)
     decode_logp: list[Tensor] = field(default_factory=list)
@@ -80,6 +81,7 @@ class Sequence:
     def replaced_kv(self, version: int, routing: Tensor | None) -> None:
         """The slot was re-prefilled at ``version`` (kv_policy=recompute)."""
         self.kv_oldest = version
+        self.prompt_kv_version = version
         self.routing = [] if routing is None else [routing]
 
     def record(self, token: int, streams: TokenStreams, version: int, stop_ids: set[int]) -> None:

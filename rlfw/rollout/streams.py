@@ -126,12 +126,12 @@ def response_logp(
     """``prefill_logp [T]`` and the prefill stream at the sampler's top-k ids ``[T, K]``, from the hidden
     states ``[P + T, hidden]`` of one finished sequence.
 
-    The LM head runs over every position, as in the trainer's scoring forward; response token ``t`` is
-    scored at position ``P - 1 + t``.
+    Response token ``t`` is scored at position ``P - 1 + t``; the LM head runs over those positions only
+    (the invariant linear's rows do not depend on which other rows it is given).
     """
-    logits = model.ops.linear(hidden_SH, model.output_weight)
     t = response_T.shape[0]
-    processed = process_logits(logits[prompt_len - 1 : prompt_len - 1 + t], transforms)
+    logits = model.ops.linear(hidden_SH[prompt_len - 1 : prompt_len - 1 + t], model.output_weight)
+    processed = process_logits(logits, transforms)
     logp = model.ops.token_logp(processed, response_T.to(processed.device)).cpu()
     head = model.ops.log_softmax(processed).gather(-1, topk_ids_TK.to(processed.device)).cpu()
     return logp, head

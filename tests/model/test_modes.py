@@ -94,3 +94,24 @@ def test_cache_overflow_is_refused() -> None:
     cache = model.new_cache(num_slots=1, capacity=4)
     with torch.no_grad(), pytest.raises(ValueError, match="cache holds 4"):
         model(torch.ones(1, 5, dtype=torch.long), cache=cache)
+
+
+def test_a_growing_cache_keeps_every_position_and_stops_at_its_maximum() -> None:
+    model = build_preset("tiny_dense")
+    ids = torch.randint(0, 64, (2, 11))
+    fixed = model.new_cache(num_slots=2, capacity=16)
+    grows = model.new_cache(num_slots=2, capacity=2, max_capacity=16)
+    with torch.no_grad():
+        outs = []
+        for cache in (fixed, grows):
+            a = model(ids[:, :3], cache=cache)  # 3 > 2: grows to 4
+            b = model(ids[:, 3:11], cache=cache)  # 11 > 4: grows to 11 (more than doubling)
+            outs.append((a, b))
+        assert grows.capacity == 11 and grows.nbytes < fixed.nbytes
+        for x, y in zip(outs[0], outs[1], strict=True):
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+        grows.lengths.zero_()
+        model(ids[:, :1], cache=grows)
+        model(ids[:, :10], cache=grows)  # needs 11: holds; the copy kept nothing it should not have
+        with pytest.raises(ValueError, match="cache holds 16.*engine.max_model_len"):
+            model(torch.ones(2, 6, dtype=torch.long), cache=grows)  # 11 + 6 > 16

@@ -52,7 +52,7 @@ def test_skipped_sequences_are_marked_and_every_other_stream_is_unchanged() -> N
             assert same_bits(a.prefill_logp, b.prefill_logp)
         else:
             assert torch.isnan(b.prefill_logp).all()
-    scored = sum(s.tokens.numel() for s, k in zip(half, chosen, strict=True) if k)
+    scored = sum(1 + s.response_T.numel() for s, k in zip(half, chosen, strict=True) if k)
     assert engine.counts.score_tokens == scored  # the skipped sequences cost no forward
     back = SampleBatch.pack(half).unpack()
     assert [s.prefilled for s in back] == [s.prefilled for s in half]

@@ -134,3 +134,20 @@ def test_from_config_uses_the_engine_and_sampler_fields() -> None:
     assert eng.stop_ids == {2}, "stop ids default to the model's eos"
     (s,) = eng.generate(request([3], max_new_tokens=4))
     assert s.topk_ids.shape[1] == 3
+
+
+def test_the_cache_grows_with_the_sequences_not_the_maximum_length() -> None:
+    """By default the engine's cache holds the longest sequence it has run; preallocating
+    max_slots x max_model_len (engine.kv_cache_preallocate) changes the memory, never a bit."""
+    req = request([5, 30, 9], n=2, max_new_tokens=40)
+    runs = {}
+    for pre in (False, True):
+        eng = NativeEngine(model(), max_slots=4, max_model_len=1024, kv_cache_preallocate=pre)
+        runs[pre] = (eng, eng.generate(req))
+    grown, full = runs[False][0].cache, runs[True][0].cache
+    assert 70 <= grown.capacity < 1024 == full.capacity  # longest sequence: 30 + 40 positions
+    assert grown.nbytes * 4 < full.nbytes  # 128 of 1024 positions per row
+    for a, b in zip(runs[False][1], runs[True][1], strict=True):
+        assert torch.equal(a.response_T, b.response_T)
+        for name in ("sampler_logp", "decode_logp", "prefill_logp"):
+            assert same_bits(getattr(a, name), getattr(b, name)), name

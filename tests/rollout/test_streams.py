@@ -63,13 +63,17 @@ def test_reduced_precision_sampler_isolates_the_sampler_factor(preset: str, prec
 
 
 def test_prefill_stream_equals_the_no_cache_path() -> None:
-    """The engine scores finished sequences through a fresh cache slot; under invariant kernels that is
-    the same bits as the model's no-cache path (checked one sequence at a time, unbatched)."""
+    """The engine scores finished sequences through their cache slot, keeping the prompt rows its
+    prefill wrote and running the response; under invariant kernels that is the same bits as the
+    model's no-cache path over the whole row (checked one sequence at a time, unbatched)."""
     m = model("tiny_moe")
-    samples = engine(m).generate(request([6, 3], n=2, max_new_tokens=9))
+    eng = engine(m)
+    samples = eng.generate(request([6, 3, 9, 4, 2], n=2, max_new_tokens=9))
     for s in samples:
         (alone,) = trainer_logp(m, [s], Transforms())
         assert same_bits(s.prefill_logp, alone)
+    # the prompt rows were kept: the forward covered the last prompt token and the response
+    assert eng.counts.score_tokens == sum(1 + s.response_T.numel() for s in samples)
 
 
 def test_default_kernels_agree_to_rounding() -> None:

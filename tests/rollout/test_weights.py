@@ -41,6 +41,8 @@ def test_in_flight_keep_continues_on_stale_kv(preset: str) -> None:
         assert (s.prefill_logp[post] != s.decode_logp[post]).all()
     q = trainer_logp(eng.model, samples, Transforms())
     assert all(same_bits(s.prefill_logp, qi) for s, qi in zip(samples, q, strict=True))
+    # the prompt rows are stale (version 0): the prefill stream prefilled every row again at version 1
+    assert eng.counts.score_tokens == sum(s.prompt_P.numel() + s.response_T.numel() for s in samples)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -54,6 +56,8 @@ def test_in_flight_recompute_makes_the_decode_factor_exactly_zero(preset: str) -
         assert torch.equal(bits(s.prefill_logp[post]), bits(s.decode_logp[post]))
         assert torch.equal(bits(s.sampler_logp), bits(s.decode_logp))
         assert (s.prefill_logp[~post] != s.decode_logp[~post]).all(), "pre-update tokens show the lag"
+    # recompute re-prefilled the prompt rows at version 1, so the prefill stream kept them
+    assert eng.counts.score_tokens == sum(1 + s.response_T.numel() for s in samples)
 
 
 def test_sequences_admitted_after_an_update_start_on_fresh_weights() -> None:
