@@ -1,0 +1,186 @@
+"""End-to-end GRPO steps against TRL's ``GRPOTrainer``, on the same model, task and token count.
+
+    .venv/bin/pip install trl==1.16.0      # the peer; not a dependency of rlfw
+    .venv/bin/python bench/grpo_vs_trl.py --steps 6 --rounds 2
+
+Both sides train the 13M Qwen3 checkpoint of ``bench/rollout_vs_peers.py`` (fp32, the tiny character
+tokenizer saved beside it) with GRPO on the arithmetic task (rlfw's own reward, called by both), 16
+prompts x 4 completions of exactly 64 tokens per step (rlfw ``engine.ignore_eos=true``, TRL
+``min_new_tokens=64``), one optimizer step per generation, lr 1e-3, no KL term. Each side runs in its own
+process; the sides alternate round by round, and a side's step time is the median over its steps after
+the first (which compiles and warms up). Sides:
+
+* ``trl``: ``GRPOTrainer`` on CPU, ``torch.set_num_threads(--trl-threads)`` (default: every core, the
+  whole machine, as a user would run it);
+* ``rlfw-sync``: ``rlfw train`` (Ray, a rollout actor and a DeepSpeed rank of one thread each, all four
+  streams on every token);
+* ``rlfw-async``: the same with ``sync=async`` (generation of step t+1 overlaps training on step t, so
+  the two pools work at once), with ``correction=dlc``, the correction an async run would use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPTS, GROUP, TOKENS, LR = 16, 4, 64, 1e-3
+
+
+def write_model(folder: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from rollout_vs_peers import write_checkpoint
+
+    from rlfw.tokenizer import build_tiny_tokenizer
+
+    write_checkpoint("13m", str(folder))
+    build_tiny_tokenizer().save_pretrained(folder)
+
+
+def rlfw_side(folder: Path, root: Path, steps: int, mode: str) -> list[float]:
+    from rlfw.distributed.cluster import SUBPROCESS_ENV
+
+    name = f"{mode}-{time.monotonic_ns()}"
+    overrides = [
+        "model=hf",
+        f"model.path={folder}",
+        "model.dtype=float32",
+        "trainer.precision=fp32",
+        f"trainer.lr={LR}",
+        f"trainer.steps={steps}",
+        "trainer.micro_batch_size=16",
+        f"algo.prompts_per_step={PROMPTS}",
+        f"algo.group_size={GROUP}",
+        f"engine.max_new_tokens={TOKENS}",
+        "engine.ignore_eos=true",
+        f"engine.max_model_len={TOKENS + 64}",
+        f"engine.max_slots={PROMPTS * GROUP}",
+        "logger.wandb=false",
+        f"logger.run_root={root}",
+        f"logger.run_name={name}",
+    ]
+    if mode == "async":
+        overrides += ["sync=async", "correction=dlc"]
+    cmd = [str(Path(sys.executable).with_name("rlfw")), "train", *overrides]
+    proc = subprocess.run(cmd, env=os.environ | SUBPROCESS_ENV, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"rlfw {mode} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    return [float(r["time/step"]) for r in rows if "time/step" in r]
+
+
+def trl_worker(folder: str, steps: int, threads: int) -> None:
+    """Runs in its own process: print the wall time of every TRL step as JSON."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlfw.tasks.arithmetic import Arithmetic
+    from rlfw.tasks.rewards import score
+
+    torch.set_num_threads(threads)
+    task = Arithmetic(20)
+    problems = task.sample(PROMPTS * (steps + 1), random.Random(0))
+    by_prompt = {p.prompt: p for p in problems}
+    data = Dataset.from_list([{"prompt": p.prompt} for p in problems])
+
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        return list(score(task, [by_prompt[p] for p in prompts], completions).rewards)
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    times: list[float] = []
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            times.append(time.perf_counter() - self.t)
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=PROMPTS * GROUP,
+            num_generations=GROUP,
+            max_completion_length=TOKENS,
+            generation_kwargs={"min_new_tokens": TOKENS},
+            max_steps=steps,
+            learning_rate=LR,
+            beta=0.0,
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+            dataloader_num_workers=0,
+            seed=0,
+        )
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=[reward], args=cfg, train_dataset=data, processing_class=tok
+        )
+        trainer.add_callback(Clock())
+        trainer.train()
+    print(json.dumps(times))
+
+
+def trl_side(folder: Path, steps: int, threads: int) -> list[float]:
+    cmd = [sys.executable, __file__, "--trl-worker", str(folder), "--steps", str(steps)]
+    cmd += ["--trl-threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"trl failed:\n{proc.stderr[-3000:]}")
+    return [float(t) for t in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--sides", nargs="*", default=["trl", "rlfw-sync", "rlfw-async"])
+    ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(Path(__file__).with_name("results_grpo_vs_trl.json")))
+    a = ap.parse_args()
+    if a.trl_worker:
+        trl_worker(a.trl_worker, a.steps, a.trl_threads)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, root = Path(tmp) / "model", Path(tmp) / "runs"
+        write_model(folder)
+        steps: dict[str, list[float]] = {side: [] for side in a.sides}
+        for _ in range(a.rounds):
+            for side in a.sides:
+                if side == "trl":
+                    times = trl_side(folder, a.steps, a.trl_threads)
+                else:
+                    times = rlfw_side(folder, root, a.steps, side.removeprefix("rlfw-"))
+                steps[side] += times[1:]  # the first step compiles and warms up
+                print(side, [round(t, 2) for t in times], flush=True)
+    s_per_step = {side: statistics.median(ts) for side, ts in steps.items()}
+    ratios = {f"{s}/trl (steps per second)": s_per_step["trl"] / s_per_step[s] for s in steps if s != "trl"}
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "trl_threads": a.trl_threads,
+        "steps_per_run": a.steps,
+        "rounds": a.rounds,
+        "s_per_step": s_per_step,
+        "ratios": ratios,
+        "step_times": steps,
+    }
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("s_per_step", "ratios")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
