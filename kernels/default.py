@@ -6,6 +6,7 @@ users measure the mismatch of.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,6 +26,9 @@ class DefaultOps:
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         return F.linear(x, weight)
+
+    def prepare_weights(self, weights: Iterable[Tensor]) -> None:
+        """Nothing to prepare: BLAS packs per call."""
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         xf = x.float()

@@ -18,6 +18,7 @@ order *inside* a tile belongs to the library or the compiler).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -83,6 +84,11 @@ class InvariantOps:
             return self._linear(x, weight)  # the forward of InvariantLinear, without its bookkeeping
         out: Tensor = InvariantLinear.apply(x, weight, self._linear)
         return out
+
+    def prepare_weights(self, weights: Iterable[Tensor]) -> None:
+        """On the CPU kernels: pack the weights once (:func:`rlfw.kernels.matmul.pack_frozen`)."""
+        if self.backend == "torch":
+            matmul.pack_frozen(weights)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self._rms_norm(x, weight, eps)

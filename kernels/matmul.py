@@ -22,6 +22,10 @@ at the end, so bf16 invariance follows from fp32 invariance rather than from rou
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -44,15 +48,62 @@ def k_tiled_matmul(a: Tensor, b: Tensor) -> Tensor:
     return acc
 
 
+class _Packed(NamedTuple):
+    ref: weakref.ref[Tensor]
+    version: int
+    data_ptr: int
+    panels: Tensor
+
+
+_PACKED: dict[int, _Packed] = {}
+
+
+def pack_frozen(weights: Iterable[Tensor]) -> None:
+    """Pack CPU weights that will serve many calls unchanged (an engine's, until its next weight update)
+    into the kernel's panel layout once, so :func:`linear` stops packing, or reading in place, per call.
+
+    Same bits as the unpacked paths (each element is the same fma chain). A packed copy is used only
+    while the tensor is the same object at the same version counter, so a weight changed in place
+    (``load_state_dict``, an optimizer step) falls back to the per-call path until it is packed again.
+    Costs one fp32 copy of each weight.
+    """
+    for w in weights:
+        if w.device.type != "cpu" or w.dim() != 2:
+            continue
+        fp32 = w.detach().float().contiguous()
+        panels = cpu_native.module().pack(fp32)
+        _PACKED[id(w)] = _Packed(weakref.ref(w, _forget(id(w))), w._version, w.data_ptr(), panels)
+
+
+def _forget(key: int) -> Callable[[weakref.ref[Tensor]], None]:
+    def forget(_: weakref.ref[Tensor]) -> None:
+        _PACKED.pop(key, None)
+
+    return forget
+
+
+def _packed(weight: Tensor) -> Tensor | None:
+    entry = _PACKED.get(id(weight))
+    if entry is None or entry.ref() is not weight:
+        return None
+    if entry.version != weight._version or entry.data_ptr != weight.data_ptr():
+        return None
+    return entry.panels
+
+
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """``x [..., K] @ weight[N, K].T -> [..., N]`` in ``x.dtype``, fp32 accumulation, invariant rows."""
     if x.device.type != "cpu":
         return blas_linear(x, weight)
     rows = x.reshape(-1, x.shape[-1])
-    rows = rows.float() if rows.dtype != torch.float32 else rows
-    w = weight.float() if weight.dtype != torch.float32 else weight
-    out = cpu_native.module().linear(rows.contiguous(), w.contiguous())
-    out = out.view(*x.shape[:-1], w.shape[0])
+    rows = (rows.float() if rows.dtype != torch.float32 else rows).contiguous()
+    panels = _packed(weight) if not (torch.is_grad_enabled() and weight.requires_grad) else None
+    if panels is not None:
+        out = cpu_native.module().linear_packed(rows, panels, weight.shape[0])
+    else:
+        w = weight.float() if weight.dtype != torch.float32 else weight
+        out = cpu_native.module().linear(rows, w.contiguous())
+    out = out.view(*x.shape[:-1], weight.shape[0])
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 

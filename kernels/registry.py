@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -19,6 +20,12 @@ class Ops(Protocol):
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         """``x [..., K] @ weight[N, K].T -> [..., N]`` in ``x.dtype``."""
+        ...
+
+    def prepare_weights(self, weights: Iterable[Tensor]) -> None:
+        """A hint that ``weights`` will serve many :meth:`linear` calls unchanged (an engine's model
+        between weight updates): an implementation may keep them in a faster layout. Never changes a
+        result; a weight changed in place afterwards must still give correct results."""
         ...
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

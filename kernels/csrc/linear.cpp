@@ -4,6 +4,9 @@
 // fma rounds once and is exactly specified, so the AVX2 path, its masked tails and the portable loop give
 // the same bits; blocking (rows, columns, threads) only decides which elements are computed together.
 // No padding, no K tiles, no dependence on a BLAS library's shape-specific paths.
+//
+// A weight that serves many calls (an engine's, between weight updates) can be packed once (pack) and
+// used by linear_packed; linear packs per call, or reads the weight in place for a few rows.
 
 #include <torch/extension.h>
 
@@ -26,40 +29,43 @@ constexpr int64_t kRows = 6;    // rows per register block
 constexpr int64_t kBlockBytes = 256 * 1024;  // rows of x per cache block (see linear())
 
 // w [N, K] -> panels [ceil(N / 16)][K][16], zero past N (those lanes are computed, never stored).
-std::vector<float> pack(const float* w, int64_t n, int64_t k) {
+void pack_into(const float* w, int64_t n, int64_t k, float* out) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  std::vector<float> out(panels * k * kPanel, 0.0f);
+  std::fill(out, out + panels * k * kPanel, 0.0f);
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) {
       const float* src = w + (p * kPanel + c) * k;
-      float* dst = out.data() + p * k * kPanel + c;
+      float* dst = out + p * k * kPanel + c;
       for (int64_t i = 0; i < k; ++i) dst[i * kPanel] = src[i];
     }
-  return out;
 }
 
 #if RLFW_AVX2
-template <int R>
+// R rows x P panels (16 P output features): 2 R P accumulators, each one element's fma chain over k.
+template <int R, int P>
 void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols) {
-  __m256 acc[R][2];
+  __m256 acc[R][2 * P];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int64_t stride = k * kPanel;  // between consecutive panels
   for (int64_t i = 0; i < k; ++i) {
-    const __m256 w0 = _mm256_loadu_ps(panel + i * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(panel + i * kPanel + 8);
+    __m256 xb[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * k + i);
-      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * k + i);
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * P; ++j) {
+      const __m256 w = _mm256_loadu_ps(panel + (j / 2) * stride + i * kPanel + (j % 2) * 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
     }
   }
-  alignas(32) float tmp[R][kPanel];
+  alignas(32) float tmp[R][P * kPanel];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(tmp[r], acc[r][0]);
-    _mm256_store_ps(tmp[r] + 8, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * P; ++j) _mm256_store_ps(tmp[r] + j * 8, acc[r][j]);
   for (int r = 0; r < R; ++r) std::copy(tmp[r], tmp[r] + cols, y + r * ldy);
 }
 
@@ -107,24 +113,41 @@ void few_rows(const float* x, int64_t m, int64_t k, const float* w, float* y, in
   }
 }
 
-void panel_rows(const float* x, int64_t m, int64_t k, const float* panel, float* y, int64_t n, int64_t cols) {
+// Rows r .. m-1 of x against panels p0 .. p1-1 of the packed weight. Six rows per block with one
+// panel; the 1-5 rows left (a decode batch's tail, or all of a small one) take several panels per block
+// so that a block still has 8-12 independent chains.
+template <int R, int P>
+void rows_by_panels(const float* x, int64_t k, const float* packed, float* y, int64_t n, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + P <= p1; p += P)
+    block<R, P>(x, k, packed + p * k * kPanel, y + p * kPanel, n, std::min(P * kPanel, n - p * kPanel));
+  for (; p < p1; ++p)
+    block<R, 1>(x, k, packed + p * k * kPanel, y + p * kPanel, n, std::min(kPanel, n - p * kPanel));
+}
+
+void panel_rows(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n, int64_t p0,
+                int64_t p1) {
   int64_t r = 0;
-  for (; r + kRows <= m; r += kRows) block<kRows>(x + r * k, k, panel, y + r * n, n, cols);
+  for (; r + kRows <= m; r += kRows) rows_by_panels<kRows, 1>(x + r * k, k, packed, y + r * n, n, p0, p1);
+  const float* xr = x + r * k;
+  float* yr = y + r * n;
   switch (m - r) {
-    case 5: block<5>(x + r * k, k, panel, y + r * n, n, cols); break;
-    case 4: block<4>(x + r * k, k, panel, y + r * n, n, cols); break;
-    case 3: block<3>(x + r * k, k, panel, y + r * n, n, cols); break;
-    case 2: block<2>(x + r * k, k, panel, y + r * n, n, cols); break;
-    case 1: block<1>(x + r * k, k, panel, y + r * n, n, cols); break;
+    case 5: rows_by_panels<5, 1>(xr, k, packed, yr, n, p0, p1); break;
+    case 4: rows_by_panels<4, 1>(xr, k, packed, yr, n, p0, p1); break;
+    case 3: rows_by_panels<3, 2>(xr, k, packed, yr, n, p0, p1); break;
+    case 2: rows_by_panels<2, 3>(xr, k, packed, yr, n, p0, p1); break;
+    case 1: rows_by_panels<1, 4>(xr, k, packed, yr, n, p0, p1); break;
     default: break;
   }
 }
 #else
-void panel_rows(const float* x, int64_t m, int64_t k, const float* panel, float* y, int64_t n, int64_t cols) {
+void panel_rows(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n, int64_t p0,
+                int64_t p1) {
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t c = p0 * kPanel; c < std::min(n, p1 * kPanel); ++c) {
+      const float* panel = packed + (c / kPanel) * k * kPanel + c % kPanel;
       float acc = 0.0f;
-      for (int64_t i = 0; i < k; ++i) acc = std::fma(x[r * k + i], panel[i * kPanel + c], acc);
+      for (int64_t i = 0; i < k; ++i) acc = std::fma(x[r * k + i], panel[i * kPanel], acc);
       y[r * n + c] = acc;
     }
 }
@@ -132,25 +155,21 @@ void panel_rows(const float* x, int64_t m, int64_t k, const float* panel, float*
 
 }  // namespace
 
-// x [M, K] and weight [N, K], fp32 and contiguous; returns [M, N].
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear: x [M, K], weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "linear: fp32 operands");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "linear: contiguous operands");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+namespace {
+
+void check_x(const torch::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "linear: x [M, K] with K = ", k);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "linear: contiguous fp32 x");
+}
+
+// y = x @ w.T from the packed panels of w [N, K].
+torch::Tensor run_packed(const torch::Tensor& x, const float* packed, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1);
   auto y = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-#if RLFW_AVX2
-  if (m <= kUnpackedMaxRows) {
-    const float* wp = weight.data_ptr<float>();
-    at::parallel_for(0, n, 4, [&](int64_t n0, int64_t n1) { few_rows(xp, m, k, wp, yp, n0, n1, n); });
-    return y;
-  }
-#endif
-  const std::vector<float> packed = pack(weight.data_ptr<float>(), n, k);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   // Rows go in blocks that stay in cache while every panel passes over them (about 256 KiB of x), so x
   // is read from memory once rather than once per panel. Threads take whole panels of a block; each
@@ -159,13 +178,52 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
   for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
     const int64_t rows = std::min(block_rows, m - r0);
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t cols = std::min(kPanel, n - p * kPanel);
-        panel_rows(xp + r0 * k, rows, k, packed.data() + p * k * kPanel, yp + r0 * n + p * kPanel, n, cols);
-      }
+      panel_rows(xp + r0 * k, rows, k, packed, yp + r0 * n, n, p0, p1);
     });
   }
   return y;
+}
+
+}  // namespace
+
+// weight [N, K] fp32 -> its panels [ceil(N / 16), K, 16], the layout linear_packed reads.
+torch::Tensor pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "pack: contiguous fp32 weight [N, K]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  auto out = torch::empty({(n + kPanel - 1) / kPanel, k, kPanel}, weight.options());
+  pack_into(weight.data_ptr<float>(), n, k, out.data_ptr<float>());
+  return out;
+}
+
+// x [M, K] against a weight [n, K] packed by pack(): the same bits as linear(x, weight).
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(0) == (n + kPanel - 1) / kPanel &&
+                  packed.scalar_type() == at::kFloat && packed.is_contiguous(),
+              "linear_packed: panels [ceil(n / 16), K, 16] from pack()");
+  check_x(x, packed.size(1));
+  return run_packed(x, packed.data_ptr<float>(), n);
+}
+
+// x [M, K] and weight [N, K], fp32 and contiguous; returns [M, N].
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "linear: contiguous fp32 weight [N, K]");
+  check_x(x, weight.size(1));
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+#if RLFW_AVX2
+  if (m <= kUnpackedMaxRows && m > 0 && n > 0 && k > 0) {  // too few rows to pay for packing
+    auto y = torch::empty({m, n}, x.options());
+    const float* xp = x.data_ptr<float>();
+    const float* wp = weight.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, n, 4, [&](int64_t n0, int64_t n1) { few_rows(xp, m, k, wp, yp, n0, n1, n); });
+    return y;
+  }
+#endif
+  std::vector<float> packed(((n + kPanel - 1) / kPanel) * k * kPanel);
+  pack_into(weight.data_ptr<float>(), n, k, packed.data());
+  return run_packed(x, packed.data(), n);
 }
 
 bool vectorised() { return RLFW_AVX2; }

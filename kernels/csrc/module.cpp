@@ -3,12 +3,16 @@
 #include <torch/extension.h>
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight);
+torch::Tensor pack(const torch::Tensor& weight);
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& q_pos, const torch::Tensor& rows, double scale);
 bool vectorised();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, "batch-invariant fp32 linear (one fma chain per output element)");
+  mod.def("pack", &pack, "a weight [N, K] as the panels linear_packed reads");
+  mod.def("linear_packed", &linear_packed, "linear against a weight packed once (same bits as linear)");
   mod.def("attention", &attention, "batch-invariant causal attention over the slotted K/V layout");
   mod.def("vectorised", &vectorised, "whether the AVX2/FMA path was compiled");
 }

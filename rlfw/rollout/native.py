@@ -93,6 +93,7 @@ class NativeEngine:
                 "engine.prefill_fraction < 1: MoE models need every prefill (last token's experts)"
             )
         self.model = model
+        model.prepare_for_inference()
         self.transforms, self.precision, self.kv_policy = transforms, precision, kv_policy
         self.stop_ids, self.seed, self.topk_logprobs = set(stop_ids), seed, topk_logprobs
         self.max_model_len, self.in_flight, self.contract_hash = max_model_len, in_flight, contract_hash
@@ -324,6 +325,7 @@ class NativeEngine:
                 "in-flight updates, or update between requests"
             )
         self.model.load_state_dict(dict(state), strict=False)
+        self.model.prepare_for_inference()
         self._version = version
         for seq in self.waiting:
             seq.group.prefix = None

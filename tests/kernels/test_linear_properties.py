@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlfw.kernels import matmul
 from rlfw.kernels.invariant import InvariantOps
 from tests.kernels.bits import NEIGHBOURS, assert_same_bits, surround
 from tests.properties import examples
@@ -63,3 +64,45 @@ def test_hazard_values_keep_their_bits() -> None:
     assert torch.equal(out[0].view(torch.int32), torch.zeros(2, dtype=torch.int32))  # +0, not -0
     for i in range(3):
         assert_same_bits(INV.linear(x[i : i + 1], weight)[0], out[i], f"row {i}")
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    n=st.integers(1, 80),
+    k=st.integers(1, 700),
+    m=st.integers(1, 80),
+    at=st.integers(0, 79),
+    kind=st.sampled_from(NEIGHBOURS),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_packed_weight_gives_the_bits_of_the_unpacked_one(
+    n: int, k: int, m: int, at: int, kind: str, bf16: bool, seed: int
+) -> None:
+    """An engine's weights are packed once (``prepare_weights``); every batch size, including the 1-5
+    rows that take several panels per block, must give the bits of the per-call paths."""
+    at = at % m
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    row = torch.randn(1, k, generator=g).to(dtype)
+    batch = surround(row[0], (m,), (at,), kind, seed)
+    alone, unpacked = INV.linear(row, weight)[0], INV.linear(batch, weight)
+    INV.prepare_weights([weight])
+    assert matmul._packed(weight) is not None
+    packed = INV.linear(batch, weight)
+    assert_same_bits(packed, unpacked, f"n={n} k={k} m={m}")
+    assert_same_bits(packed[at], alone, f"n={n} k={k} m={m} at={at}")
+
+
+def test_a_packed_weight_changed_in_place_is_not_used_stale() -> None:
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.nn.Parameter(torch.randn(20, 33, generator=g)), torch.randn(3, 33, generator=g)
+    INV.prepare_weights([weight])
+    with torch.no_grad():
+        weight.mul_(2.0)  # an optimizer step or load_state_dict: the version counter moves
+        assert matmul._packed(weight) is None
+        assert_same_bits(INV.linear(x, weight), INV.linear(x, weight.detach().clone()), "in place")
+        weight.data = torch.randn(20, 33, generator=g)  # new storage, same object
+        assert matmul._packed(weight) is None
+        assert_same_bits(INV.linear(x, weight), INV.linear(x, weight.detach().clone()), "new storage")

@@ -217,6 +217,7 @@ class VllmEngine:
             max_tokens=max_tokens,
             seed=seed,
             logprobs=self.topk,
+            flat_logprobs=True,  # plain lists per request, read as tensors (no per-token objects)
             stop_token_ids=self.stop_ids,
             detokenize=False,
             extra_args={TAP_KEY: (self.id, key, self.kernels, asdict(t))},
@@ -229,22 +230,25 @@ class VllmEngine:
                 f"decode stream has {len(decode)} entries for {len(tokens)} tokens (prompt {prompt_id}); "
                 "was vLLM started with the decode tap and in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)?"
             )
-        sampler = [c.logprobs[j][tok].logprob for j, tok in enumerate(tokens)]
-        k = self.topk
-        ids = torch.zeros(len(tokens), k, dtype=torch.long)
-        logp = torch.full((len(tokens), k), float("-inf"))
-        for j, entry in enumerate(c.logprobs):
-            ranked = sorted((lp.rank, tok, lp.logprob) for tok, lp in entry.items() if lp.rank <= k)
-            for r, (_, tok, value) in enumerate(ranked[:k]):
-                ids[j, r], logp[j, r] = tok, value
-        n = len(tokens)
+        n, width = len(tokens), self.topk + 1
+        flat = c.logprobs  # FlatLogprobs: per position the drawn token, then the top-k by rank
+        if len(flat) != n or len(flat.logprobs) != n * width:
+            raise RuntimeError(
+                f"vLLM returned {len(flat.logprobs)} log-probs for {n} tokens x (1 + {self.topk}) "
+                f"(prompt {prompt_id}); this vLLM does not lay out flat log-probs as rlfw expects"
+            )
+        values = torch.tensor(flat.logprobs, dtype=torch.float32).view(n, width)
+        ids = torch.tensor(flat.token_ids, dtype=torch.long).view(n, width)
+        if not torch.equal(ids[:, 0], torch.tensor(tokens, dtype=torch.long)):
+            raise RuntimeError(f"vLLM's sampled-token log-probs are not the tokens' (prompt {prompt_id})")
+        sampler, logp, ids = values[:, 0], values[:, 1:].contiguous(), ids[:, 1:].contiguous()
         version = torch.full((n,), self._version, dtype=torch.long)
         return Sample(
             prompt_id=prompt_id,
             sample_index=c.index,
             prompt_P=prompt.to(torch.long).cpu(),
             response_T=torch.tensor(tokens, dtype=torch.long),
-            sampler_logp=torch.tensor(sampler, dtype=torch.float32),
+            sampler_logp=sampler,
             decode_logp=torch.tensor(decode, dtype=torch.float32),
             prefill_logp=torch.zeros(n),  # filled by _rescore
             version_T=version,
@@ -263,19 +267,20 @@ class VllmEngine:
         if not samples:
             return
         plain = self.transforms == Transforms()
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0 if plain else -1, detokenize=False)
+        params = SamplingParams(
+            max_tokens=1, prompt_logprobs=0 if plain else -1, flat_logprobs=plain, detokenize=False
+        )
         prompts = [TokensPrompt(prompt_token_ids=s.tokens.tolist()) for s in samples]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         for s, out in zip(samples, outputs, strict=True):
             p = s.prompt_P.shape[0]
-            rows = out.prompt_logprobs[p:]
-            tokens = s.response_T.tolist()
-            if plain:
-                s.prefill_logp = torch.tensor(
-                    [row[tok].logprob for row, tok in zip(rows, tokens, strict=True)]
-                )
+            if plain:  # one entry per position after the first: the position's own token
+                flat = out.prompt_logprobs
+                if not torch.equal(torch.tensor(flat.token_ids[p - 1 :]), s.response_T):
+                    raise RuntimeError(f"vLLM's prompt log-probs do not follow the sequence ({s.prompt_id})")
+                s.prefill_logp = torch.tensor(flat.logprobs[p - 1 :], dtype=torch.float32)
             else:
-                s.prefill_logp = self._replayed(rows, s.response_T)
+                s.prefill_logp = self._replayed(out.prompt_logprobs[p:], s.response_T)
 
     def _replayed(self, rows: list[dict[int, Any]], tokens: Tensor) -> Tensor:
         """rlfw's transforms on full-vocabulary raw prompt log-probs (a constant shift of the logits)."""
