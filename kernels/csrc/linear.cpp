@@ -50,15 +50,29 @@ void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy,
 #pragma GCC unroll 8
     for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm256_setzero_ps();
   const int64_t stride = k * kPanel;  // between consecutive panels
+  // Register budget (16 ymm): many rows load the 2P weight vectors once and broadcast x row by row; few
+  // rows broadcast their x once and stream the weight vectors. Either way acc[r][j] takes one fma per i.
   for (int64_t i = 0; i < k; ++i) {
-    __m256 xb[R];
+    if constexpr (R >= 2 * P) {
+      __m256 w[2 * P];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * k + i);
+      for (int j = 0; j < 2 * P; ++j) w[j] = _mm256_loadu_ps(panel + (j / 2) * stride + i * kPanel + (j % 2) * 8);
 #pragma GCC unroll 8
-    for (int j = 0; j < 2 * P; ++j) {
-      const __m256 w = _mm256_loadu_ps(panel + (j / 2) * stride + i * kPanel + (j % 2) * 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * k + i);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
+        for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm256_fmadd_ps(xb, w[j], acc[r][j]);
+      }
+    } else {
+      __m256 xb[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * k + i);
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * P; ++j) {
+        const __m256 w = _mm256_loadu_ps(panel + (j / 2) * stride + i * kPanel + (j % 2) * 8);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
+      }
     }
   }
   alignas(32) float tmp[R][P * kPanel];
