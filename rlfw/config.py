@@ -29,6 +29,7 @@ class ModelConfig:
     seed: int = 0  # init seed for preset models
 
     def __post_init__(self) -> None:
+        check_range("model.seed", self.seed, lo=0)
         check_choice("model.preset", self.preset, ("tiny_dense", "tiny_moe", None))
         if (self.path is None) == (self.preset is None):
             raise ConfigError(
@@ -51,12 +52,12 @@ class SamplerConfig:
     topk_logprobs: int = 32  # how many of the sampler's top log-probs each token records (score centering)
 
     def __post_init__(self) -> None:
-        check_range("sampler.temperature", self.temperature, lo=1e-6)
-        check_range("sampler.top_k", self.top_k, lo=0)
-        check_range("sampler.top_p", self.top_p, lo=1e-6, hi=1.0)
-        check_range("sampler.min_p", self.min_p, lo=0.0, hi=1.0)
-        check_choice("sampler.precision", self.precision, ("fp32", "bf16", "fp8"))
-        check_range("sampler.topk_logprobs", self.topk_logprobs, lo=0)
+        check_range("engine.sampler.temperature", self.temperature, lo=1e-6)
+        check_range("engine.sampler.top_k", self.top_k, lo=0)
+        check_range("engine.sampler.top_p", self.top_p, lo=1e-6, hi=1.0)
+        check_range("engine.sampler.min_p", self.min_p, lo=0.0, hi=1.0)
+        check_choice("engine.sampler.precision", self.precision, ("fp32", "bf16", "fp8"))
+        check_range("engine.sampler.topk_logprobs", self.topk_logprobs, lo=0)
 
     def transforms(self) -> Transforms:
         """The declared transforms: what the engines sample from and the trainer replays."""
@@ -104,10 +105,13 @@ class EngineConfig:
         check_range("engine.num_actors", self.num_actors, lo=1)
         check_range("engine.max_new_tokens", self.max_new_tokens, lo=1)
         check_range("engine.prefill_fraction", self.prefill_fraction, lo=0.0, hi=1.0)
+        check_range("engine.max_slots", self.max_slots, lo=1)
+        check_range("engine.max_model_len", self.max_model_len, lo=2)
+        check_range("engine.seed", self.seed, lo=0)
         if self.name == "vllm" and self.sampler.precision != "fp32":
             raise ConfigError(
                 f"engine=vllm samples from fp32 logits; engine.sampler.precision={self.sampler.precision!r} "
-                "is a built-in-engine feature: use engine=native or sampler.precision=fp32"
+                "is a built-in-engine feature: use engine=native or engine.sampler.precision=fp32"
             )
         if self.name == "vllm" and self.in_flight:
             raise ConfigError(
@@ -135,8 +139,14 @@ class TrainerConfig:
         check_choice("trainer.zero_stage", self.zero_stage, (0, 1, 2, 3))
         check_choice("trainer.precision", self.precision, ("fp32", "bf16"))
         check_choice("trainer.lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        check_range("trainer.num_ranks", self.num_ranks, lo=1)
         check_range("trainer.lr", self.lr, lo=0.0)
+        check_range("trainer.warmup_steps", self.warmup_steps, lo=0)
+        check_range("trainer.weight_decay", self.weight_decay, lo=0.0)
+        check_range("trainer.grad_clip", self.grad_clip, lo=0.0)
         check_range("trainer.micro_batch_size", self.micro_batch_size, lo=1)
+        check_range("trainer.steps", self.steps, lo=1)
+        check_range("trainer.checkpoint_every", self.checkpoint_every, lo=1)
 
 
 @dataclass
@@ -156,6 +166,14 @@ class AlgoConfig:
         check_choice("algo.name", self.name, ("grpo", "ppo"))
         check_range("algo.group_size", self.group_size, lo=1)
         check_range("algo.prompts_per_step", self.prompts_per_step, lo=1)
+        check_range("algo.gamma", self.gamma, lo=0.0, hi=1.0)
+        check_range("algo.lam", self.lam, lo=0.0, hi=1.0)
+        check_range("algo.value_coef", self.value_coef, lo=0.0)
+        if self.name == "grpo" and self.group_size < 2:
+            raise ConfigError(
+                f"algo.group_size={self.group_size} with algo=grpo: every advantage would be 0 (a group's "
+                "baseline is its own reward); use algo.group_size>=2, or algo=ppo"
+            )
 
 
 ESS_LEVELS: tuple[str, ...] = ("sequence", "token")
@@ -214,6 +232,9 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         check_choice("task.name", self.name, ("arithmetic", "gsm8k"))
+        check_range("task.max_operand", self.max_operand, lo=1)
+        check_range("task.warm_start_steps", self.warm_start_steps, lo=0)
+        check_range("task.warm_start_lr", self.warm_start_lr, lo=0.0)
         if self.name == "gsm8k" and not self.data_path:
             raise ConfigError("task=gsm8k reads a local JSONL file: pass task.data_path=/path/to/gsm8k.jsonl")
 
@@ -238,6 +259,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_choice("kernels", self.kernels, ("invariant", "default"))
+        check_range("seed", self.seed, lo=0)
         check_choice("environment_mismatch", self.environment_mismatch, ("refuse", "bound"))
         if self.model.router_replay and self.model.preset == "tiny_dense":
             raise ConfigError(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
 from rlfw.compose import available_recipes, load_config, project_root
-from rlfw.config import ConfigError, RunConfig
+from rlfw.config import GROUPS, ConfigError, RunConfig
 
 ROOT = project_root()
 # Values a user must supply for options that point at local files; the config test supplies stand-ins.
@@ -74,5 +76,57 @@ def test_corrections_toggle_from_the_command_line() -> None:
     ],
 )
 def test_bad_config_is_named(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides)
+
+
+def _numeric_fields(cls: type, prefix: str) -> list[tuple[type, str, str, str]]:
+    """(config class, field, full key, annotated type) of every number a config holds, nested included."""
+    out = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        kind = str(f.type)
+        if dataclasses.is_dataclass(f.default_factory) if callable(f.default_factory) else False:
+            out += _numeric_fields(f.default_factory, f"{key}.")  # type: ignore[arg-type]
+        elif kind.split(" | ")[0] in ("int", "float"):
+            out.append((cls, f.name, key, kind))
+    return out
+
+
+NUMERIC = [
+    *(field for group, cls in GROUPS.items() for field in _numeric_fields(cls, f"{group}.")),
+    *(field for field in _numeric_fields(RunConfig, "") if "." not in field[2]),
+]
+
+
+def test_the_numeric_fields_are_all_found() -> None:
+    keys = {key for _, _, key, _ in NUMERIC}
+    assert {"trainer.checkpoint_every", "engine.sampler.temperature", "seed", "correction.tis_cap"} <= keys
+    assert len(keys) >= 35
+
+
+@pytest.mark.parametrize(("cls", "name", "key", "kind"), NUMERIC, ids=[k for _, _, k, _ in NUMERIC])
+def test_every_numeric_field_refuses_a_value_outside_its_range(
+    cls: type, name: str, key: str, kind: str
+) -> None:
+    """Negative numbers (no count, size, rate or seed here is negative) and, for floats, NaN: each is a
+    one-line ConfigError naming the full key, at construction, before anything runs."""
+    bad: list[float] = [-1] + ([float("nan")] if kind.startswith("float") else [])
+    for value in bad:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}={re.escape(repr(value))} "):
+            cls(**{name: value})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.checkpoint_every=0"], r"trainer\.checkpoint_every=0 is out of range"),
+        (["trainer.steps=0"], r"trainer\.steps=0 is out of range"),
+        (["algo.group_size=1"], r"algo\.group_size=1 with algo=grpo: every advantage would be 0"),
+        (["engine.sampler.precision=fp16"], r"^engine\.sampler\.precision='fp16' is not allowed"),
+        (["algo.gamma=1.5"], r"algo\.gamma=1\.5 is out of range; allowed: \[0\.0, 1\.0\]"),
+    ],
+)
+def test_values_that_ran_and_failed_later_are_refused_up_front(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(overrides)

@@ -83,7 +83,7 @@ class NativeEngine:
         kv_cache_preallocate: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
-            raise ValueError(f"sampler.precision={precision!r}; allowed: {', '.join(PRECISIONS)}")
+            raise ValueError(f"engine.sampler.precision={precision!r}; allowed: {', '.join(PRECISIONS)}")
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"engine.kv_policy={kv_policy!r}; allowed: {', '.join(KV_POLICIES)}")
         if max_model_len < 2:

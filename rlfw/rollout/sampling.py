@@ -47,7 +47,9 @@ def sampler_head(
         return mm(hidden.bfloat16(), weight.bfloat16()).float()
     if precision == "fp8":
         return mm(quantize_fp8(hidden), quantize_fp8(weight))
-    raise ValueError(f"sampler.precision={precision!r} has no reduced-precision head; allowed: bf16, fp8")
+    raise ValueError(
+        f"engine.sampler.precision={precision!r} has no reduced-precision head; allowed: bf16, fp8"
+    )
 
 
 def gumbel_noise(seeds: Tensor, vocab: int) -> Tensor:
