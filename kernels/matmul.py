@@ -65,11 +65,12 @@ def pack_frozen(weights: Iterable[Tensor]) -> None:
     Same bits as the unpacked paths (each element is the same fma chain). A packed copy is used only
     while the tensor is the same object at the same version counter, so a weight changed in place
     (``load_state_dict``, an optimizer step) falls back to the per-call path until it is packed again.
-    Costs one fp32 copy of each weight.
+    Costs one fp32 copy of each weight; a weight still packed at its version is skipped, so calling
+    this before every forward costs a dictionary lookup per weight when nothing changed.
     """
     for w in weights:
-        if w.device.type != "cpu" or w.dim() != 2:
-            continue
+        if w.device.type != "cpu" or w.dim() != 2 or _packed(w) is not None:
+            continue  # not for this kernel, or packed at this version already
         fp32 = w.detach().float().contiguous()
         panels = cpu_native.module().pack(fp32)
         _PACKED[id(w)] = _Packed(weakref.ref(w, _forget(id(w))), w._version, w.data_ptr(), panels)

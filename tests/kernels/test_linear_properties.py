@@ -106,3 +106,8 @@ def test_a_packed_weight_changed_in_place_is_not_used_stale() -> None:
         weight.data = torch.randn(20, 33, generator=g)  # new storage, same object
         assert matmul._packed(weight) is None
         assert_same_bits(INV.linear(x, weight), INV.linear(x, weight.detach().clone()), "new storage")
+    INV.prepare_weights([weight])  # packs the new values; a second call finds them current
+    panels = matmul._packed(weight)
+    INV.prepare_weights([weight])
+    assert panels is not None and matmul._packed(weight) is panels
+    assert_same_bits(INV.linear(x, weight), INV.linear(x, weight.detach().clone()), "packed again")
