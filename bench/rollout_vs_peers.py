@@ -12,7 +12,8 @@ and generates the same batch: ``--prompts`` prompts x ``--n`` samples of exactly
 * ``rlfw-invariant``: the built-in engine, ``kernels=invariant``, all four streams (rlfw's default);
 * ``rlfw-invariant-noprefill``: the same with ``prefill_fraction=0`` (sampler and decode streams only);
 * ``rlfw-default``: the built-in engine on plain torch kernels, all four streams;
-* ``rlfw-vllm``: ``engine=vllm`` with the shared model registered, all four streams.
+* ``rlfw-vllm``: ``engine=vllm`` with the shared model registered, all four streams;
+* ``rlfw-vllm-noprefill``: the same with ``prefill_fraction=0`` (sampler and decode streams only).
 
 Sizes: ``13m`` (hidden 512, 4 layers, 8 heads / 4 KV heads of 64, MLP 1536, vocab 362) and ``76m``
 (hidden 768, 12 layers, 12 / 4 heads of 64, MLP 2048, vocab 362). ``--skip`` drops engines by name.
@@ -160,7 +161,7 @@ def main() -> None:
             calls["rlfw-invariant-noprefill"] = native("invariant", 0.0)
         if "rlfw-default" not in a.skip:
             calls["rlfw-default"] = native("default")
-        if "vllm-bare" not in a.skip or "rlfw-vllm" not in a.skip:
+        if {"vllm-bare", "rlfw-vllm", "rlfw-vllm-noprefill"} - set(a.skip):
             from rlfw.rollout.vllm.engine import VllmEngine
 
             cfg = EngineConfig(
@@ -173,6 +174,10 @@ def main() -> None:
             if "rlfw-vllm" not in a.skip:
                 shared = VllmEngine(folder, cfg, kernels="invariant")
                 calls["rlfw-vllm"] = lambda: sum(s.response_T.numel() for s in shared.generate(request))
+            if "rlfw-vllm-noprefill" not in a.skip:
+                no_prefill = EngineConfig(**{**cfg.__dict__, "prefill_fraction": 0.0})
+                lean = VllmEngine(folder, no_prefill, kernels="invariant")
+                calls["rlfw-vllm-noprefill"] = lambda: sum(s.response_T.numel() for s in lean.generate(request))
             if "vllm-bare" not in a.skip:
                 stock = VllmEngine(
                     folder, EngineConfig(**{**cfg.__dict__, "vllm": VllmSettings(model="stock")})

@@ -27,7 +27,7 @@ class DefaultOps:
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         return F.linear(x, weight)
 
-    def prepare_weights(self, weights: Iterable[Tensor]) -> None:
+    def prepare_weights(self, weights: Iterable[Tensor], refresh: bool = False) -> None:
         """Nothing to prepare: BLAS packs per call."""
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

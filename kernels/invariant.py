@@ -85,10 +85,10 @@ class InvariantOps:
         out: Tensor = InvariantLinear.apply(x, weight, self._linear)
         return out
 
-    def prepare_weights(self, weights: Iterable[Tensor]) -> None:
+    def prepare_weights(self, weights: Iterable[Tensor], refresh: bool = False) -> None:
         """On the CPU kernels: pack the weights once (:func:`rlfw.kernels.matmul.pack_frozen`)."""
         if self.backend == "torch":
-            matmul.pack_frozen(weights)
+            matmul.pack_frozen(weights, refresh)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self._rms_norm(x, weight, eps)

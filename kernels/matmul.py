@@ -58,18 +58,23 @@ class _Packed(NamedTuple):
 _PACKED: dict[int, _Packed] = {}
 
 
-def pack_frozen(weights: Iterable[Tensor]) -> None:
+def pack_frozen(weights: Iterable[Tensor], refresh: bool = False) -> None:
     """Pack CPU weights that will serve many calls unchanged (an engine's, until its next weight update)
     into the kernel's panel layout once, so :func:`linear` stops packing, or reading in place, per call.
 
     Same bits as the unpacked paths (each element is the same fma chain). A packed copy is used only
-    while the tensor is the same object at the same version counter, so a weight changed in place
-    (``load_state_dict``, an optimizer step) falls back to the per-call path until it is packed again.
-    Costs one fp32 copy of each weight; a weight still packed at its version is skipped, so calling
-    this before every forward costs a dictionary lookup per weight when nothing changed.
+    while the tensor is the same object at the same version counter and storage, so a weight changed
+    in place (``load_state_dict``, an optimizer step) or given new storage (``p.data = ...``) falls back
+    to the per-call path until it is packed again. Writes through ``p.data`` in place bump no counter
+    (vLLM's in-place weight reload is one), so only an owner that sees every write may pack, and it must
+    pack with ``refresh=True`` after such a write: the built-in engine packs after each update, the model
+    inside vLLM at the first forward after each ``load_weights``.
+
+    Costs one fp32 copy of each weight; a weight still packed at its version is skipped (unless
+    ``refresh``), so calling this before every forward costs a lookup per weight when nothing changed.
     """
     for w in weights:
-        if w.device.type != "cpu" or w.dim() != 2 or _packed(w) is not None:
+        if w.device.type != "cpu" or w.dim() != 2 or (not refresh and _packed(w) is not None):
             continue  # not for this kernel, or packed at this version already
         fp32 = w.detach().float().contiguous()
         panels = cpu_native.module().pack(fp32)

@@ -22,10 +22,11 @@ class Ops(Protocol):
         """``x [..., K] @ weight[N, K].T -> [..., N]`` in ``x.dtype``."""
         ...
 
-    def prepare_weights(self, weights: Iterable[Tensor]) -> None:
+    def prepare_weights(self, weights: Iterable[Tensor], refresh: bool = False) -> None:
         """A hint that ``weights`` will serve many :meth:`linear` calls unchanged (an engine's model
         between weight updates): an implementation may keep them in a faster layout. Never changes a
-        result; a weight changed in place afterwards must still give correct results."""
+        result. ``refresh=True``: the weights were written in a way no version counter sees (through
+        ``.data``), so rebuild whatever was kept for them."""
         ...
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -79,11 +79,12 @@ class Transformer(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def prepare_for_inference(self) -> None:
+    def prepare_for_inference(self, refresh: bool = False) -> None:
         """Let the op set keep this model's matrices in a faster layout for the many forwards of an
         engine (packed panels on the CPU kernels). Call again after loading new weights; until then a
-        changed weight takes the slower per-call path, never a stale copy."""
-        self.ops.prepare_weights(p for p in self.parameters() if p.dim() == 2)
+        weight changed through its version counter takes the slower per-call path, never a stale copy.
+        ``refresh=True`` after writes through ``.data`` (which no counter sees)."""
+        self.ops.prepare_weights((p for p in self.parameters() if p.dim() == 2), refresh)
 
     def new_cache(self, num_slots: int, capacity: int, max_capacity: int | None = None) -> KVCache:
         """A cache of ``num_slots`` rows of ``capacity`` positions, growing to ``max_capacity``."""

@@ -88,6 +88,7 @@ class RlfwForCausalLM(Transformer):
         for i, block in enumerate(self.model.layers):
             assert isinstance(block, Block)
             block.self_attn = PagedAttention(self.args, i, vllm_config)
+        self._repack = True  # weights (re)loaded since the last forward
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         return self.model.embed_tokens(input_ids)
@@ -100,6 +101,9 @@ class RlfwForCausalLM(Transformer):
         inputs_embeds: Tensor | None = None,
     ) -> Tensor:
         """Final-norm hidden states ``[N, hidden]`` for vLLM's flat batch of ``N`` tokens."""
+        if self._repack:  # vLLM writes weights through .data, so pack them afresh (see load_weights)
+            self.prepare_for_inference(refresh=True)
+            self._repack = False
         if inputs_embeds is None:
             assert input_ids is not None
             inputs_embeds = self.embed_input_ids(input_ids)
@@ -120,7 +124,10 @@ class RlfwForCausalLM(Transformer):
 
         Goes through each parameter's ``weight_loader`` (vLLM's protocol): an in-place reload swaps the
         parameters for placeholders and counts what the loaders write before copying it into place.
+        Those writes bypass version counters, so the next forward packs every weight again for the CPU
+        kernels (:meth:`~rlfw.model.Transformer.prepare_for_inference` with ``refresh``).
         """
+        self._repack = True
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         params = dict(self.named_parameters())
