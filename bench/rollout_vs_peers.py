@@ -177,7 +177,9 @@ def main() -> None:
             if "rlfw-vllm-noprefill" not in a.skip:
                 no_prefill = EngineConfig(**{**cfg.__dict__, "prefill_fraction": 0.0})
                 lean = VllmEngine(folder, no_prefill, kernels="invariant")
-                calls["rlfw-vllm-noprefill"] = lambda: sum(s.response_T.numel() for s in lean.generate(request))
+                calls["rlfw-vllm-noprefill"] = lambda: sum(
+                    s.response_T.numel() for s in lean.generate(request)
+                )
             if "vllm-bare" not in a.skip:
                 stock = VllmEngine(
                     folder, EngineConfig(**{**cfg.__dict__, "vllm": VllmSettings(model="stock")})
