@@ -7,6 +7,7 @@ The loops themselves are :func:`rlfw.train.sync_loop.sync_steps` (``sync.mode=sy
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import asdict
 
 import ray
@@ -33,19 +34,31 @@ def train(run: RunConfig) -> int:
         log.warning(
             "engine.in_flight=true has no effect with sync.mode=sync: weights move only between steps"
         )
-    run_dir = make_run_dir(run.logger.run_root, run.logger.run_name, run.resume)
-    (run_dir / "config.yaml").write_text(to_yaml(run))
-    setup = build_setup(run, run_dir)
-    init_ray(run.engine.num_actors, run.trainer.num_ranks, run.ray_address)
-    rollout_pool = make_pool(ROLLOUT, run.engine.num_actors)
-    trainer_pool = make_pool(TRAINER, run.trainer.num_ranks)
-    pools = {"trainer rank": trainer_pool, "engine": rollout_pool}
-    setup = settle_environment(run, setup, run_dir, placement_fingerprints(pools, run.engine.name))
+    folder = make_run_dir(run.logger.run_root, run.logger.run_name, run.resume)
+    run_dir = folder.path
+    if run.resume and not folder.resuming:
+        log.warning("%s holds no checkpoint: starting the run afresh there", run_dir)
+    try:  # the checks: a run that fails them leaves no folder behind
+        (run_dir / "config.yaml").write_text(to_yaml(run))
+        setup = build_setup(run, run_dir)
+        init_ray(run.engine.num_actors, run.trainer.num_ranks, run.ray_address)
+        rollout_pool = make_pool(ROLLOUT, run.engine.num_actors)
+        trainer_pool = make_pool(TRAINER, run.trainer.num_ranks)
+        pools = {"trainer rank": trainer_pool, "engine": rollout_pool}
+        setup = settle_environment(run, setup, run_dir, placement_fingerprints(pools, run.engine.name))
+    except BaseException:
+        if folder.created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if ray.is_initialized():
+            ray.shutdown()
+        raise
     rollout = RolloutGroup(rollout_pool, setup.model, run.engine, setup.stop_ids, setup.contract.hash)
     trainer = TrainerGroup(trainer_pool, setup.model, optim_config(run), step_spec(run, setup))
     weights = EngineWeights(make_sync(run.sync.transport), trainer, rollout, setup.contract.hash)
     state = (
-        restore(run_dir, trainer, weights) if run.resume else RunState(step=-1, version=0, tag="", resyncs=0)
+        restore(run_dir, trainer, weights)
+        if folder.resuming
+        else RunState(step=-1, version=0, tag="", resyncs=0)
     )
     logger = RunLogger(
         run_dir,
@@ -54,7 +67,8 @@ def train(run: RunConfig) -> int:
         run.logger.project,
         run_dir.name,
         {"run": asdict(run)},
-        resume_from_step=state.step + 1 if run.resume else None,
+        # resuming: rewrite from the next step; starting afresh in a used folder: drop its old rows
+        resume_from_step=state.step + 1 if folder.resuming else (0 if run.resume else None),
     )
     driver = Driver(run, setup, rollout, trainer, weights, logger, run_dir, state)
     code = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -25,21 +26,52 @@ class RunState:
     steps_since_sync: int = 0  # optimizer steps since the last push
 
 
-def make_run_dir(root: str, name: str | None, resume: bool) -> Path:
-    """``root/name`` (a timestamp when no name); refuses to reuse a run folder unless resuming."""
-    folder = Path(root) / (name or time.strftime("%Y%m%d-%H%M%S"))
+@dataclass
+class RunDir:
+    """The run folder and how this start uses it."""
+
+    path: Path
+    resuming: bool  # continue from run_state.json
+    created: bool  # this start made the folder (so a failed setup may remove it)
+
+
+def make_run_dir(root: str, name: str | None, resume: bool) -> RunDir:
+    """The run folder under ``root``, claimed atomically.
+
+    * No name: a timestamp, with ``-1``, ``-2``, ... when a run started in the same second holds it
+      (``mkdir`` without ``exist_ok`` is the lock: two runs never share a folder).
+    * A name and no ``resume``: the folder must not exist.
+    * ``resume=true``: continue from the folder's last checkpoint; a named run that died before its first
+      checkpoint starts afresh in its folder (there is nothing to continue, and nothing is lost).
+    """
+    base = Path(root)
+    if name is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for i in itertools.count():
+            folder = base / (stamp if i == 0 else f"{stamp}-{i}")
+            try:
+                folder.mkdir(parents=True)
+            except FileExistsError:
+                continue
+            return RunDir(folder, resuming=False, created=True)
+    folder = base / str(name)
     if resume:
-        if not (folder / STATE_FILE).is_file():
-            raise FileNotFoundError(
-                f"resume=true but {folder / STATE_FILE} does not exist; pass the logger.run_name of a run "
-                "that saved a checkpoint"
-            )
-    elif (folder / STATE_FILE).is_file():
-        raise FileExistsError(
-            f"{folder} already holds a run; pass resume=true to continue it or pick another name"
+        if (folder / STATE_FILE).is_file():
+            return RunDir(folder, resuming=True, created=False)
+        created = not folder.exists()
+        folder.mkdir(parents=True, exist_ok=True)
+        return RunDir(folder, resuming=False, created=created)
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        saved = (
+            "its last checkpoint" if (folder / STATE_FILE).is_file() else "the start (it saved no checkpoint)"
         )
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+        raise FileExistsError(
+            f"{folder} already exists: pass resume=true to continue that run from {saved}, "
+            "or pick another logger.run_name"
+        ) from None
+    return RunDir(folder, resuming=False, created=True)
 
 
 def write_state(folder: Path, state: RunState) -> None:
