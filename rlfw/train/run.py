@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
+import threading
 from dataclasses import asdict
+from typing import Any
 
 import ray
 
@@ -72,18 +75,38 @@ def train(run: RunConfig) -> int:
     )
     driver = Driver(run, setup, rollout, trainer, weights, logger, run_dir, state)
     code = 0
+    previous = _handle_sigterm()
     try:
         if run.sync.mode == "async":
             async_steps(driver)
         else:
             sync_steps(driver)
-    except KeyboardInterrupt:
-        log.warning("interrupted: saving a checkpoint at step %d before exiting", driver.state.step)
+    except KeyboardInterrupt as stop:
+        what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+        log.warning("%s: saving a checkpoint at step %d before exiting", what, driver.state.step)
         if driver.state.step >= 0:
             driver.checkpoint()
-        code = 130
+        code = 143 if isinstance(stop, Terminated) else 130
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         logger.close()
         trainer.shutdown()
         ray.shutdown()
     return code
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what SLURM, Kubernetes and ``kill`` send), handled like Ctrl-C: checkpoint, then exit 143."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def _handle_sigterm() -> Any:
+    """Route SIGTERM to :class:`Terminated` in the driver (over Ray's handler, which aborts); returns the
+    handler it replaced, or None off the main thread, where Python cannot install one."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
