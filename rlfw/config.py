@@ -134,6 +134,7 @@ class TrainerConfig:
     micro_batch_size: int = 16  # sequences per micro-batch (gradient accumulation fills the batch)
     steps: int = 20  # optimizer steps in the run
     checkpoint_every: int = 5  # save a resumable checkpoint every this many steps (and at the end)
+    max_skipped_steps: int = 3  # stop (exit 1) after this many steps in a row with nothing to train on
 
     def __post_init__(self) -> None:
         check_choice("trainer.zero_stage", self.zero_stage, (0, 1, 2, 3))
@@ -147,6 +148,7 @@ class TrainerConfig:
         check_range("trainer.micro_batch_size", self.micro_batch_size, lo=1)
         check_range("trainer.steps", self.steps, lo=1)
         check_range("trainer.checkpoint_every", self.checkpoint_every, lo=1)
+        check_range("trainer.max_skipped_steps", self.max_skipped_steps, lo=1)
 
 
 @dataclass

@@ -40,6 +40,7 @@ class Driver:
     logger: RunLogger
     run_dir: Path
     state: RunState
+    skipped_in_a_row: int = 0  # consecutive steps with too few usable samples to train on
 
     def checkpoint(self) -> None:
         save_checkpoint(self.run_dir, self.trainer, self.weights, self.state)
@@ -94,17 +95,34 @@ def train_on(
     kept, dropped = split_stale(samples, trainer_version, run.sync.max_staleness)
     batch = make_batch(kept, run.algo.name, run.algo.std_scaling, run.algo.leave_one_out)
     if len(batch) < run.trainer.num_ranks:  # every rank needs a row
-        log.warning(
-            "step %d: %d of %d rewards failed or were dropped; too few samples left, step skipped",
-            step,
-            failed,
-            len(samples),
-        )
+        skip_step(d, step, len(samples), failed, len(dropped))
         return None
+    d.skipped_in_a_row = 0
     t1 = time.perf_counter()
     result = d.trainer.train(batch)
     t2 = time.perf_counter()
     return Trained(samples, batch, result, failed, len(dropped), t1 - t0, t2 - t1)
+
+
+class StalledRun(RuntimeError):
+    """Too many steps in a row had nothing to train on; the message says why."""
+
+
+def skip_step(d: Driver, step: int, total: int, failed: int, dropped: int) -> None:
+    """Log a skipped step (a metrics row that says so, and why, in counts) and stop the run after
+    ``trainer.max_skipped_steps`` in a row: a run whose every step is skipped must not exit 0."""
+    why = f"{failed} of {total} rewards failed or were not finite, {dropped} samples were too stale"
+    log.warning("step %d skipped: %s; too few samples left to train on", step, why)
+    d.logger.log(
+        step,
+        {"train/skipped": 1.0, "reward/failed": float(failed), "sync/dropped_stale": float(dropped)},
+    )
+    d.skipped_in_a_row += 1
+    if d.skipped_in_a_row >= d.run.trainer.max_skipped_steps:
+        raise StalledRun(
+            f"{d.skipped_in_a_row} steps in a row skipped (last: {why}); check the reward function "
+            "(task.*) and the log-probs, or raise trainer.max_skipped_steps"
+        )
 
 
 def reward(setup: Setup, problems: list[Problem], samples: list[Sample]) -> int:

@@ -23,7 +23,7 @@ from rlfw.distributed.weight_sync import make_sync
 from rlfw.logging.logger import RunLogger
 from rlfw.train.async_loop import async_steps
 from rlfw.train.checkpoint import EngineWeights, restore
-from rlfw.train.phases import Driver
+from rlfw.train.phases import Driver, StalledRun
 from rlfw.train.setup import build_setup, optim_config, settle_environment, step_spec
 from rlfw.train.state import RunState, make_run_dir
 from rlfw.train.sync_loop import sync_steps
@@ -87,6 +87,9 @@ def train(run: RunConfig) -> int:
         if driver.state.step >= 0:
             driver.checkpoint()
         code = 143 if isinstance(stop, Terminated) else 130
+    except StalledRun as err:
+        log.error("rlfw train: stopped: %s", err)
+        code = 1
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
