@@ -7,9 +7,10 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -32,13 +33,27 @@ def read_args(path: str | os.PathLike[str]) -> ModelArgs:
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} not found: a checkpoint folder needs an HF config.json")
-    return args_from_hf_config(json.loads(config_path.read_text()))
+    return args_from_hf_config(_read_json(config_path))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({err}); restore it from the original checkpoint"
+        ) from err
 
 
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        data = _read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(
+                f"{index} has no 'weight_map' object; restore it from the original checkpoint"
+            )
         files = sorted({folder / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -70,10 +85,16 @@ def read_tensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """All tensors of a checkpoint folder, keyed by HF name, experts in the per-expert layout."""
     tensors: dict[str, Tensor] = {}
     for file in _weight_files(Path(path)):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if not _IGNORED.search(name):
-                    tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if not _IGNORED.search(name):
+                        tensors[name] = f.get_tensor(name)
+        except SafetensorError as err:
+            raise CheckpointError(
+                f"{file} is not a readable safetensors file ({err}); it may be truncated or corrupt: "
+                "copy it again from the original checkpoint"
+            ) from err
     return _unfuse_experts(tensors)
 
 

@@ -39,22 +39,28 @@ def load_problems(path: str | Path) -> list[Problem]:
         raise DatasetError(
             f"task.data_path={str(file)!r} does not exist; point it at a local GSM8K JSONL file"
         )
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{file} is not UTF-8 text ({err}); convert it to UTF-8 JSONL") from err
     problems = []
-    for i, line in enumerate(file.read_text().splitlines(), start=1):
+    for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
+            if not isinstance(row, dict):
+                raise TypeError(f"the line is a JSON {type(row).__name__}, not an object")
             reference = parse_number(row["answer"].split("####")[-1])
-        except (json.JSONDecodeError, KeyError, AttributeError) as err:
+            question = row["question"]
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as err:
             raise DatasetError(
-                f"{file}:{i}: expected {{'question': ..., 'answer': '... #### N'}}: {err}"
+                f"{file}:{i}: expected {{'question': ..., 'answer': '... #### N'}}: "
+                f"{type(err).__name__}: {err}"
             ) from err
         if reference is None:
             raise DatasetError(f"{file}:{i}: the answer has no final number after '####'")
-        problems.append(
-            Problem(uid=i, prompt=PROMPT.format(question=row["question"]), answer=repr(reference))
-        )
+        problems.append(Problem(uid=i, prompt=PROMPT.format(question=question), answer=repr(reference)))
     if not problems:
         raise DatasetError(f"{file} holds no problems")
     return problems

@@ -128,3 +128,29 @@ def test_missing_folder_and_weights_are_named(tmp_path: Path) -> None:
     (tmp_path / "c" / "config.json").write_text(json.dumps(build_preset("tiny_dense").args.to_hf_config()))
     with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         from_pretrained(tmp_path / "c")
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncate_weights", r"model\.safetensors is not a readable safetensors file .*truncated or corrupt"),
+        ("garbage_weights", r"model\.safetensors is not a readable safetensors file"),
+        ("config_not_json", r"config\.json is not valid JSON"),
+        ("config_not_utf8", r"config\.json is not valid JSON"),
+    ],
+)
+def test_damaged_checkpoint_files_are_named_not_raised_raw(tmp_path: Path, damage: str, message: str) -> None:
+    folder = tmp_path / "ckpt"
+    save_pretrained(build_preset("tiny_dense"), folder)
+    weights = next(folder.glob("*.safetensors"))
+    weights = weights.rename(folder / "model.safetensors")
+    if damage == "truncate_weights":
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif damage == "garbage_weights":
+        weights.write_bytes(b"\x00garbage" * 50)
+    elif damage == "config_not_json":
+        (folder / "config.json").write_text('{"model_type": "qwen3",')
+    else:
+        (folder / "config.json").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(CheckpointError, match=message):
+        from_pretrained(folder)

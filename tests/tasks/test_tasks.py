@@ -105,3 +105,18 @@ def test_samples_with_failed_rewards_are_dropped_and_groups_renormalised() -> No
     # group 0 keeps rewards [1, 0]: advantages [0.5, -0.5]; group 1 has one sample left: no baseline, dropped
     assert [(s.prompt_id, s.sample_index) for s in kept] == [(0, 0), (0, 2)]
     assert adv == [0.5, -0.5]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"answer": "#### 4"}\n', r"b\.jsonl:1: .*KeyError: 'question'"),
+        (b'["q", "a"]\n', r"b\.jsonl:1: .*the line is a JSON list, not an object"),
+        (b"\xff\xfe not utf-8\n", r"b\.jsonl is not UTF-8 text"),
+    ],
+)
+def test_gsm8k_bad_rows_and_encodings_are_named(tmp_path: Path, content: bytes, message: str) -> None:
+    bad = tmp_path / "b.jsonl"
+    bad.write_bytes(content)
+    with pytest.raises(DatasetError, match=message):
+        GSM8K(str(bad))
