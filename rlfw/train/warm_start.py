@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -78,10 +81,27 @@ class WarmStart:
 def cached_warm_start(
     cache_root: Path, model: Transformer, tok: PreTrainedTokenizerBase, task: Task, ws: WarmStart
 ) -> Path:
-    """The warm-started checkpoint folder for ``ws``, trained and saved (with its tokenizer) if missing."""
+    """The warm-started checkpoint folder for ``ws``, trained and saved (with its tokenizer) if missing.
+
+    The folder appears whole or not at all: it is written under a private temporary name and renamed
+    into place. Two runs warming up at once both train; the first rename wins and the second run uses
+    that folder (the same bits: the warm start is deterministic in ``ws``) and discards its own copy.
+    """
     folder = cache_root / f"warm_start-{ws.key()}"
-    if not (folder / "tokenizer.json").is_file():  # written last: a complete checkpoint
-        warm_start(model, tok, task, ws.steps, ws.lr, ws.batch, ws.seed)
-        save_pretrained(model, folder)
-        tok.save_pretrained(str(folder))
+    if (folder / "tokenizer.json").is_file():  # written last: a complete checkpoint
+        return folder
+    if folder.is_dir():  # a partial folder left by a crash before writes were atomic
+        shutil.rmtree(folder, ignore_errors=True)
+    warm_start(model, tok, task, ws.steps, ws.lr, ws.batch, ws.seed)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=cache_root))
+    try:
+        save_pretrained(model, tmp)
+        tok.save_pretrained(str(tmp))
+        os.rename(tmp, folder)  # atomic; fails if another run put the folder there first
+    except OSError:
+        if not (folder / "tokenizer.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
