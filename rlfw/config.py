@@ -9,6 +9,7 @@ allowed values. ``load_config`` returns these dataclasses, not a loose dict.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -226,19 +227,35 @@ class LoggerConfig:
 class TaskConfig:
     """Prompts and the reward that scores responses."""
 
-    name: str = "arithmetic"  # arithmetic (built-in, learnable on CPU) | gsm8k (local JSONL file)
-    data_path: str | None = None  # dataset file for tasks that read one (gsm8k)
+    name: str = (
+        "arithmetic"  # arithmetic (built-in, learnable on CPU) | gsm8k (local JSONL) | dataset (yours)
+    )
+    data_path: str | None = (
+        None  # gsm8k: the JSONL file; dataset: a file, folder or glob (jsonl/json/parquet/csv)
+    )
+    prompt_key: str = "prompt"  # dataset: the prompt field (text, or a list of chat messages)
+    answer_key: str = "answer"  # dataset: the field used as the demonstration for a warm start
+    reward: str | None = None  # dataset: package.module:function or path/to/file.py:function
+    rewards: list[Any] = field(default_factory=list)  # dataset: [{ref, weight, name}], summed; or use reward
+    chat_template: bool = False  # dataset: render prompts with the tokenizer's chat template
+    system_prompt: str | None = None  # dataset with chat_template: a system message before each prompt
     max_operand: int = 20  # arithmetic: operands are drawn from [0, max_operand]
     warm_start_steps: int = 0  # supervised steps on demonstrations before RL (cached); 0 skips
     warm_start_lr: float = 3e-3  # learning rate of the warm start
 
     def __post_init__(self) -> None:
-        check_choice("task.name", self.name, ("arithmetic", "gsm8k"))
+        check_choice("task.name", self.name, ("arithmetic", "gsm8k", "dataset"))
         check_range("task.max_operand", self.max_operand, lo=1)
         check_range("task.warm_start_steps", self.warm_start_steps, lo=0)
         check_range("task.warm_start_lr", self.warm_start_lr, lo=0.0)
         if self.name == "gsm8k" and not self.data_path:
             raise ConfigError("task=gsm8k reads a local JSONL file: pass task.data_path=/path/to/gsm8k.jsonl")
+        if self.name == "dataset" and not self.data_path:
+            raise ConfigError("task=dataset reads local files: pass task.data_path=FILE, FOLDER or GLOB")
+        if self.name == "dataset" and not (self.reward or self.rewards):
+            raise ConfigError(
+                "task=dataset needs a reward: task.reward=package.module:function (or path/file.py:function)"
+            )
 
 
 @dataclass

@@ -17,25 +17,39 @@ class RewardResult:
 
     rewards: list[float | None]
     errors: list[str] = field(default_factory=list)
+    parts: dict[str, list[float]] = field(default_factory=dict)  # each named reward, over the scored
 
     @property
     def num_failed(self) -> int:
         return sum(r is None for r in self.rewards)
+
+    def part_means(self) -> dict[str, float]:
+        """``reward/<name>``: the mean of each named reward over the samples it scored."""
+        return {f"reward/{name}": sum(v) / len(v) for name, v in self.parts.items() if v}
 
 
 def score(task: Task, problems: list[Problem], responses: list[str]) -> RewardResult:
     """Call the task's reward on each response; exceptions and non-finite values are counted, not raised."""
     rewards: list[float | None] = []
     errors: list[str] = []
+    parts: dict[str, list[float]] = {}
+    split = getattr(task, "reward_parts", None)  # tasks with several named rewards (task=dataset)
+    weights = {r.name: r.weight for r in getattr(task, "rewards", [])}
     for problem, response in zip(problems, responses, strict=True):
         try:
-            value = float(task.reward(problem, response))
+            if split is not None:
+                named = split(problem, response)
+                value = sum(weights[k] * v for k, v in named.items())
+            else:
+                named, value = {}, float(task.reward(problem, response))
             if not math.isfinite(value):
                 raise ValueError(f"reward returned {value}")
             rewards.append(value)
+            for name, v in named.items():
+                parts.setdefault(name, []).append(v)
         except Exception as err:  # noqa: BLE001 - a user reward function may raise anything
             rewards.append(None)
             errors.append(f"problem {problem.uid}: {type(err).__name__}: {err}")
     if errors:
         log.warning("%d reward call(s) failed; their samples are dropped. First: %s", len(errors), errors[0])
-    return RewardResult(rewards, errors)
+    return RewardResult(rewards, errors, parts)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -81,6 +81,7 @@ class Trained:
     dropped_stale: int
     reward_s: float  # scoring and batch building
     train_s: float
+    reward_parts: dict[str, float] = field(default_factory=dict)  # reward/<name> when there are several
 
 
 def train_on(
@@ -91,7 +92,7 @@ def train_on(
     and take one optimizer step on it. ``None`` when too few samples are left to train (said in the log)."""
     run = d.run
     t0 = time.perf_counter()
-    failed = reward(d.setup, problems, samples)
+    failed, parts = reward(d.setup, problems, samples)
     kept, dropped = split_stale(samples, trainer_version, run.sync.max_staleness)
     batch = make_batch(kept, run.algo.name, run.algo.std_scaling, run.algo.leave_one_out)
     if len(batch) < run.trainer.num_ranks:  # every rank needs a row
@@ -101,7 +102,7 @@ def train_on(
     t1 = time.perf_counter()
     result = d.trainer.train(batch)
     t2 = time.perf_counter()
-    return Trained(samples, batch, result, failed, len(dropped), t1 - t0, t2 - t1)
+    return Trained(samples, batch, result, failed, len(dropped), t1 - t0, t2 - t1, parts)
 
 
 class StalledRun(RuntimeError):
@@ -125,13 +126,14 @@ def skip_step(d: Driver, step: int, total: int, failed: int, dropped: int) -> No
         )
 
 
-def reward(setup: Setup, problems: list[Problem], samples: list[Sample]) -> int:
-    """Decode each response and score it; failed reward calls leave ``reward=None`` (dropped later)."""
+def reward(setup: Setup, problems: list[Problem], samples: list[Sample]) -> tuple[int, dict[str, float]]:
+    """Decode each response and score it; failed reward calls leave ``reward=None`` (dropped later).
+    Returns the number that failed and the mean of each named reward (``reward/<name>``)."""
     texts = [decode_response(setup, s) for s in samples]
     result = score(setup.task, [problems[s.prompt_id] for s in samples], texts)
     for s, r in zip(samples, result.rewards, strict=True):
         s.reward = r
-    return result.num_failed
+    return result.num_failed, result.part_means()
 
 
 def decode_response(setup: Setup, sample: Sample) -> str:

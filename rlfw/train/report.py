@@ -54,6 +54,7 @@ def step_report(
     report["ratio/prefill_coverage"] = prefill_coverage(batch)
     report |= result.scalars
     report |= reward_metrics(samples, trained.failed_rewards)
+    report |= trained.reward_parts
     report |= sync_metrics(batch, trainer_version, resyncs)
     report |= time_metrics(tokens, len(samples), times.generate, times)
     return report

@@ -56,7 +56,19 @@ def build_setup(run: RunConfig, run_dir: Path) -> Setup:
 
         check_vllm_run(run.model.path, model.args.head_dim, run.engine.vllm.model)
     tok = tokenizer_of(run, model.args.vocab_size)
-    task = build_task(run.task.name, run.task.data_path, run.task.max_operand)
+    t = run.task
+    task = build_task(
+        t.name,
+        t.data_path,
+        t.max_operand,
+        prompt_key=t.prompt_key,
+        answer_key=t.answer_key,
+        reward=t.reward,
+        rewards=list(t.rewards),
+        chat_template=t.chat_template,
+        system_prompt=t.system_prompt,
+        tokenizer=tok,
+    )
     if run.task.warm_start_steps > 0:
         ws = WarmStart(
             str(run.model.path or run.model.preset),

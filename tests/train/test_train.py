@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from rlfw.compose import project_root
 from rlfw.logging.metrics import required_keys
 from rlfw.logging.wandb_reader import read_offline_run
 from tests.train._run import (
@@ -49,6 +50,27 @@ def test_embedded_default_learns(default_run: Run) -> None:
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
     assert len(rewards) == 60
     assert last > first + 0.04, (first, last)
+
+
+@pytest.mark.slow
+def test_the_bring_your_own_task_example_learns(root: Path) -> None:
+    """recipes/example_dataset.yaml: examples/double's JSONL rows and reward file through task=dataset."""
+    example = project_root() / "examples" / "double"
+    run = run_train(
+        root,
+        "own_task",
+        "recipe=example_dataset",
+        f"task.data_path={example / 'data.jsonl'}",
+        f"task.reward={example / 'reward.py'}:reward",
+        "logger.wandb=false",
+        timeout=900,
+    )
+    assert run.returncode == 0, run.log[-3000:]
+    rows = run.metrics()
+    assert len(rows) == 30 and all("reward/reward" in r for r in rows)
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = statistics.mean(rewards[:8]), statistics.mean(rewards[-8:])
+    assert last > first + 0.05, (first, last)
 
 
 @pytest.mark.slow
