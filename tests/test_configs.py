@@ -13,7 +13,11 @@ from rlfw.config import GROUPS, ConfigError, RunConfig
 
 ROOT = project_root()
 # Values a user must supply for options that point at local files; the config test supplies stand-ins.
-NEEDS = {"model/hf.yaml": ["model.path=/ckpt"], "task/gsm8k.yaml": ["task.data_path=/data.jsonl"]}
+NEEDS = {
+    "model/hf.yaml": ["model.path=/ckpt"],
+    "task/gsm8k.yaml": ["task.data_path=/data.jsonl"],
+    "task/dataset.yaml": ["task.data_path=/data.jsonl", "task.reward=m:f"],
+}
 RECIPE_NEEDS = {
     "qwen3_1p7b_grpo_dlc": ["model.path=/ckpt", "task.data_path=/d.jsonl"],
     "qwen3_1p7b_grpo_vllm": ["model.path=/ckpt", "task.data_path=/d.jsonl"],
