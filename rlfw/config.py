@@ -14,6 +14,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from rlfw.algos.config import CorrectionConfig
+from rlfw.algos.kl import KL_ESTIMATORS
 from rlfw.model.distribution import Transforms
 from rlfw.validation import ConfigError, check_choice, check_range
 
@@ -164,6 +165,9 @@ class AlgoConfig:
     gamma: float = 1.0  # PPO discount
     lam: float = 0.95  # PPO GAE lambda
     value_coef: float = 0.5  # PPO value-loss weight
+    kl_coef: float = 0.0  # weight of KL(policy || initial weights) in the loss; 0 = off (no reference kept)
+    kl_estimator: str = "k3"  # per-token KL estimate: k1 | k2 | k3 (rlfw.algos.kl)
+    entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token-mean entropy
 
     def __post_init__(self) -> None:
         check_choice("algo.name", self.name, ("grpo", "ppo"))
@@ -172,6 +176,9 @@ class AlgoConfig:
         check_range("algo.gamma", self.gamma, lo=0.0, hi=1.0)
         check_range("algo.lam", self.lam, lo=0.0, hi=1.0)
         check_range("algo.value_coef", self.value_coef, lo=0.0)
+        check_range("algo.kl_coef", self.kl_coef, lo=0.0)
+        check_choice("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_range("algo.entropy_coef", self.entropy_coef, lo=0.0)
         if self.name == "grpo" and self.group_size < 2:
             raise ConfigError(
                 f"algo.group_size={self.group_size} with algo=grpo: every advantage would be 0 (a group's "

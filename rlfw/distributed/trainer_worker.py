@@ -36,12 +36,17 @@ class TrainerWorker:
         self.model = spec.build().train()
         if step.ppo is not None:
             self.model.attach_value_head()
+        # KL to the initial weights: a frozen copy kept on this rank (a scoring pass per step; the engines
+        # hold none). Built before DeepSpeed wraps the trained copy.
+        self.reference = spec.build().eval().requires_grad_(False) if step.kl_coef > 0 else None
         self.backend = DeepSpeedBackend(self.model, optim)
         self.step_spec = step
         self.rank = rank
 
     def train(self, batch: TrainBatch, num_tokens: int, num_sequences: int) -> TrainResult:
-        return train_step(self.backend, self.model, batch, self.step_spec, num_tokens, num_sequences)
+        return train_step(
+            self.backend, self.model, batch, self.step_spec, num_tokens, num_sequences, self.reference
+        )
 
     def publish(self, version: int, contract_hash: str) -> list[Any]:
         """Gather the full weights (every rank must call it: a collective under ZeRO-3); rank 0 puts one

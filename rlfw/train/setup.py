@@ -210,6 +210,9 @@ def step_spec(run: RunConfig, setup: Setup) -> StepSpec:
         reference,
         run.model.router_replay,
         ppo,
+        run.algo.kl_coef,
+        run.algo.kl_estimator,
+        run.algo.entropy_coef,
     )
 
 

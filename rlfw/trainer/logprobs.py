@@ -21,6 +21,7 @@ class TrainerLogp:
     topk_logp: Tensor | None
     replay_mismatch: float | None
     values: Tensor | None = None  # [B, L-1] critic estimate at each prediction position (PPO)
+    entropy: Tensor | None = None  # [B, L-1] entropy of the (transformed) distribution at each position
 
 
 def trainer_logp(
@@ -32,12 +33,15 @@ def trainer_logp(
     replay: bool,
     topk: bool,
     values: bool = False,
+    entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> TrainerLogp:
     """Run ``model`` (the trainer's module, possibly wrapped by DeepSpeed) over ``batch``.
 
     Gradient flows when grad mode is on (the grad forward) and not otherwise (the scoring forward); both
     run the same ops, so they agree bit for bit. ``ops_model`` is the unwrapped shared model, for its op
-    set. Under R3 (``replay``) the MoE layers use the rollout's expert ids.
+    set. Under R3 (``replay``) the MoE layers use the rollout's expert ids. ``entropy``: also the
+    entropy of each position's distribution (with gradient only if ``entropy_grad``).
     """
     routing = None
     if batch.routed_experts is not None:
@@ -51,7 +55,11 @@ def trainer_logp(
     mismatch = (
         routing.replay_mismatch_frac(batch.attention_mask) if (routing is not None and replay) else None
     )
-    return TrainerLogp(logp, topk_logp, mismatch, None if v is None else v[:, :-1])
+    ent = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = -(logp_all.exp() * logp_all).nan_to_num().sum(-1)  # 0 * -inf (a masked token) counts 0
+    return TrainerLogp(logp, topk_logp, mismatch, None if v is None else v[:, :-1], ent)
 
 
 def scoring_logp(

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from rlfw.algos import CORRECTIONS, CorrectionConfig, LossInputs, Reference, gae, policy_loss, value_loss
+from rlfw.algos.kl import kl_estimate
 from rlfw.model import Transformer
 from rlfw.model.distribution import Transforms
 from rlfw.trainer.logprobs import critic_values, scoring_logp, trainer_logp
@@ -57,6 +58,9 @@ class StepSpec:
     reference: Reference  # the PPO reference stream (rlfw.algos.ppo_reference): score | prefill | decode
     router_replay: bool
     ppo: PPOSpec | None = None  # None: GRPO (advantages come with the batch)
+    kl_coef: float = 0.0  # weight of KL(policy || reference model); the caller keeps the reference
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0  # entropy bonus
 
 
 def old_policy_logp(
@@ -85,6 +89,7 @@ def train_step(
     spec: StepSpec,
     num_tokens: int,
     num_sequences: int,
+    reference: Transformer | None = None,
 ) -> TrainResult:
     """Accumulate gradients over micro-batches and step once.
 
@@ -92,7 +97,9 @@ def train_step(
     Returns the trainer's log-probs at its pre-update weights and the PPO reference it used (so the
     caller can compute ratio metrics over the whole batch, across ranks), and scalar metrics: the loss,
     the correction's clip and mask fractions (token-weighted over micro-batches), the grad norm and the
-    R3 mismatch.
+    R3 mismatch. With ``spec.kl_coef > 0`` the loss adds the KL to ``reference`` (the frozen initial
+    weights, scored here without gradient); the token-mean entropy is always reported (``loss/entropy``)
+    and, with ``spec.entropy_coef > 0``, subtracted from the loss as a bonus.
     """
     rule = CORRECTIONS[spec.correction.name]
     old, old_head = old_policy_logp(backend, model, batch, spec, head=rule.needs_reference_head)
@@ -100,6 +107,11 @@ def train_step(
     if critic is not None:
         batch = replace(batch, advantages=critic[0])
     topk = rule.needs_topk
+    ref_logp = None
+    if spec.kl_coef > 0:
+        if reference is None:
+            raise ValueError("algo.kl_coef > 0 needs the reference model (the trainer rank keeps it)")
+        ref_logp, _ = scoring_logp(reference, reference, batch, spec.transforms, spec.micro_batch_size)
     q_parts: list[Tensor] = []
     mismatch: list[float] = []
     sums: dict[str, float] = defaultdict(float)
@@ -113,10 +125,15 @@ def train_step(
             replay=spec.router_replay,
             topk=topk,
             values=critic is not None,
+            entropy=True,
+            entropy_grad=spec.entropy_coef > 0,
         )
         head = None if old_head is None else old_head[rows]
         inputs = loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences, head)
         loss, metrics = policy_loss(inputs, spec.correction)
+        reg, extra = regularisers(out.logp, out.entropy, mb.mask, ref_logp, rows, spec, num_tokens)
+        loss = loss + reg
+        metrics = {**metrics, **extra}
         if critic is not None and spec.ppo is not None and out.values is not None:
             _, old_values, returns = critic
             v_loss, v_metrics = value_loss(
@@ -127,7 +144,7 @@ def train_step(
         backend.backward(loss)
         q_parts.append(out.logp.detach())
         for k, v in metrics.items():
-            if v.dim() == 0 and (k.startswith("loss/") or k.endswith(("clip_frac", "mask_frac"))):
+            if v.dim() == 0 and (k.startswith(("loss/", "kl/")) or k.endswith(("clip_frac", "mask_frac"))):
                 sums[k] += float(v) * (1.0 if k.startswith("loss/") else mb.num_tokens)
         if out.replay_mismatch is not None:
             mismatch.append(out.replay_mismatch)
@@ -183,3 +200,33 @@ def loss_inputs(
         trainer_topk_logp=q_topk,
         reference_topk_logp=old_head,
     )
+
+
+def regularisers(
+    logp: Tensor,
+    entropy: Tensor | None,
+    mask: Tensor,
+    ref_logp: Tensor | None,
+    rows: slice,
+    spec: StepSpec,
+    num_tokens: int,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The KL and entropy terms of one micro-batch, normalised like the policy loss (token sums over the
+    step's global token count), and their metrics: ``loss/kl`` (the KL term as added), ``kl/ref_mean``
+    (the micro-batch's token-mean estimate), ``loss/entropy`` (the token-mean entropy's share)."""
+    m = mask.to(logp.dtype)
+    n = max(num_tokens, 1)
+    total = logp.new_zeros(())
+    metrics: dict[str, Tensor] = {}
+    if entropy is not None:
+        ent = (entropy * m).sum() / n
+        metrics["loss/entropy"] = ent.detach()
+        if spec.entropy_coef > 0:
+            total = total - spec.entropy_coef * ent
+    if ref_logp is not None:
+        kl_tok = kl_estimate(logp, ref_logp[rows].to(logp.dtype), spec.kl_estimator)
+        kl = (kl_tok * m).sum() / n
+        total = total + spec.kl_coef * kl
+        metrics["loss/kl"] = (spec.kl_coef * kl).detach()
+        metrics["kl/ref_mean"] = ((kl_tok * m).sum() / m.sum().clamp_min(1)).detach()
+    return total, metrics

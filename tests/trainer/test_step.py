@@ -3,6 +3,8 @@ contract, and PPO trains its critic on GAE targets."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -103,3 +105,31 @@ def test_an_empty_batch_collates_to_zero_rows() -> None:
     """Every reward failed: the driver sees a zero-row batch and skips the step instead of crashing."""
     batch = collate([], [])
     assert len(batch) == 0 and batch.num_tokens == 0
+
+
+def test_kl_to_a_reference_and_the_entropy_bonus_enter_the_loss() -> None:
+    """KL to an identical reference is 0 with no gradient of its own; to a different one it adds
+    kl_coef x its token mean. Entropy is always logged; the bonus changes the gradient."""
+    model, batch = _batch()
+    twin = build_preset("tiny_dense", seed=1, kernels="invariant")  # the initial weights, frozen
+    other = build_preset("tiny_dense", seed=5, kernels="invariant")
+    base = replace(_spec(6), kl_coef=0.0)
+    plain, same, far = PlainBackend(model), PlainBackend(model), PlainBackend(model)
+    r0 = train_step(plain, model, batch, base, batch.num_tokens, len(batch))
+    r1 = train_step(same, model, batch, replace(base, kl_coef=0.5), batch.num_tokens, len(batch), twin)
+    r2 = train_step(far, model, batch, replace(base, kl_coef=0.5), batch.num_tokens, len(batch), other)
+    assert r1.scalars["loss/kl"] == 0.0 and r1.scalars["kl/ref_mean"] == 0.0
+    for k, g in plain.grads.items():
+        torch.testing.assert_close(same.grads[k], g, rtol=1e-6, atol=1e-8)
+    assert r2.scalars["kl/ref_mean"] > 0 and r2.scalars["loss/kl"] == pytest.approx(
+        0.5 * r2.scalars["kl/ref_mean"], rel=1e-5
+    )
+    assert r2.scalars["loss/policy"] == pytest.approx(r0.scalars["loss/policy"], rel=1e-6)  # a term beside it
+    assert 0 < r0.scalars["loss/entropy"] <= float(torch.log(torch.tensor(96.0)))
+    bonus = PlainBackend(model)
+    train_step(bonus, model, batch, replace(base, entropy_coef=0.1), batch.num_tokens, len(batch))
+    assert any(not torch.allclose(bonus.grads[k], g) for k, g in plain.grads.items())
+    with pytest.raises(ValueError, match="needs the reference model"):
+        train_step(
+            PlainBackend(model), model, batch, replace(base, kl_coef=0.5), batch.num_tokens, len(batch)
+        )
