@@ -11,6 +11,7 @@ USAGE = """rlfw VERB [overrides...]
 
 verbs:
   train   [recipe=NAME] [key=value ...]   the main job; no recipe runs the embedded default
+          ... --cfg job                    print the composed config and exit
   audit   [model.path=DIR] [key=value ...] the validation ladder on one checkpoint, as JSON
   report  RUN_DIR                          render per-factor plots from a run's metrics.jsonl
 """
@@ -22,6 +23,19 @@ def cmd_train(overrides: list[str]) -> int:
     from rlfw.compose import load_config
     from rlfw.train.run import train
 
+    if "--cfg" in overrides:  # Hydra's `--cfg job`: print the composed config, run nothing
+        from rlfw.compose import to_yaml
+
+        at = overrides.index("--cfg")
+        what = overrides[at + 1] if at + 1 < len(overrides) else ""
+        if what != "job":
+            print(
+                f"rlfw train: --cfg {what!r}: only `--cfg job` (the composed run config) is printed",
+                file=sys.stderr,
+            )
+            return 2
+        print(to_yaml(load_config(overrides[:at] + overrides[at + 2 :])), end="")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return train(load_config(overrides))
 

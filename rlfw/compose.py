@@ -26,7 +26,25 @@ def available_recipes() -> list[str]:
     return sorted(p.stem for p in (project_root() / "recipes").glob("*.yaml"))
 
 
+HYDRA_KEYS = {
+    "hydra.run.dir": "logger.run_root (the parent folder) and logger.run_name (the run's folder)",
+    "hydra.sweep.dir": "logger.run_root",
+    "hydra.job.name": "logger.run_name",
+}
+
+
+def _refuse_hydra_keys(overrides: list[str]) -> None:
+    """rlfw composes with Hydra but runs its own job, so ``hydra.*`` settings would be accepted and
+    ignored; refuse them, naming the rlfw key that does the job."""
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key == "hydra" or key.startswith("hydra."):
+            use = HYDRA_KEYS.get(key, "the logger.* keys (see rlfw train --cfg job)")
+            raise ConfigError(f"{key} is not read by rlfw; use {use}")
+
+
 def _split_recipe(overrides: list[str]) -> tuple[str, list[str]]:
+    _refuse_hydra_keys(overrides)
     recipe, rest = DEFAULT_RECIPE, []
     for o in overrides:
         if o.startswith("recipe="):
