@@ -77,16 +77,26 @@ def entrypoint(venv: Path, recipe: str, overrides: list[str]) -> list[str]:
     return [str(venv / "bin" / "rlfw"), "train", f"recipe={recipe}", "ray_address=auto", *overrides]
 
 
+def write_runtime_env(runtime_env: Mapping[str, object], folder: Path) -> Path:
+    """The runtime env as a file only this user can read: ``--env`` values (W&B keys, tokens) stay off
+    the ``ray job submit`` command line, where ``ps`` and ``--dry-run`` would show them."""
+    path = folder / "runtime_env.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(runtime_env, f)
+    return path
+
+
 def submit_command(
     ray: str,
     address: str | None,
-    runtime_env: Mapping[str, object],
+    runtime_env_file: Path,
     job: list[str],
     submission_id: str | None,
     wait: bool,
 ) -> list[str]:
     """``ray job submit``; waiting, it streams the job's log and exits 1 if the job failed."""
-    cmd = [ray, "job", "submit", "--runtime-env-json", json.dumps(runtime_env)]
+    cmd = [ray, "job", "submit", "--runtime-env", str(runtime_env_file)]
     if address:
         cmd += ["--address", address]
     if submission_id:
@@ -144,9 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rlfw-job-") as tmp:
         working_dir = stage_working_dir(ROOT, Path(tmp) / "working_dir")
         runtime_env = {"working_dir": str(working_dir), "env_vars": env}
-        cmd = submit_command(ray, args.address, runtime_env, job, args.submission_id, not args.no_wait)
+        env_file = write_runtime_env(runtime_env, Path(tmp))
+        cmd = submit_command(ray, args.address, env_file, job, args.submission_id, not args.no_wait)
         if args.dry_run:
             print(shlex.join(cmd))
+            print(
+                f"# {env_file}: working_dir {working_dir}; "
+                f"env_vars {', '.join(sorted(env))} (values not shown)"
+            )
             return 0
         # `ray job submit` uploads the working dir before it returns or starts following the log, so the
         # staged copy can go when it exits.

@@ -53,7 +53,7 @@ def test_dry_run_builds_a_job_that_joins_the_cluster() -> None:
         "logger.run_root=/shared/runs",
         env=env,
     )
-    cmd = shlex.split(out.stdout)
+    cmd = shlex.split(out.stdout.splitlines()[0])
     sep = cmd.index("--")
     assert cmd[1:3] == ["job", "submit"] and Path(cmd[0]).name == "ray"
     assert cmd[sep + 1 :] == [
@@ -66,15 +66,33 @@ def test_dry_run_builds_a_job_that_joins_the_cluster() -> None:
     ]
     options = dict(zip(cmd[3:sep:2], cmd[4:sep:2], strict=True))
     assert options["--address"] == "http://head:8265" and options["--submission-id"] == "run-7"
-    runtime_env = json.loads(options["--runtime-env-json"])
-    assert set(runtime_env) == {"working_dir", "env_vars"}
-    assert runtime_env["env_vars"] == {
-        "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1",
-        "A": "1",
-        "FORWARDED": "from-shell",
-    }
+    assert options["--runtime-env"].endswith("runtime_env.json")
+    assert "from-shell" not in out.stdout and "A=1" not in out.stdout  # values never printed
+    assert "env_vars A, FORWARDED, RAY_OVERRIDE_JOB_RUNTIME_ENV (values not shown)" in out.stdout
     assert "--no-wait" not in cmd  # by default it follows the job and exits 1 if the job failed
     assert "warning" not in out.stderr
+
+
+def test_env_values_reach_ray_in_a_private_file_not_on_the_command_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ps` shows every process's arguments: a W&B key passed with --env must not be among them."""
+    submit = load_submit()
+    seen: dict[str, object] = {}
+
+    def fake_run(cmd: list[str], check: bool) -> subprocess.CompletedProcess[str]:
+        path = Path(cmd[cmd.index("--runtime-env") + 1])
+        seen["mode"] = path.stat().st_mode & 0o777
+        seen["env"] = json.loads(path.read_text())["env_vars"]
+        seen["argv"] = " ".join(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(submit.subprocess, "run", fake_run)
+    monkeypatch.setenv("WANDB_API_KEY", "secret-123")
+    assert submit.main(["--env", "WANDB_API_KEY", "--env", "A=1", "--", "logger.run_root=/shared"]) == 0
+    assert seen["mode"] == 0o600
+    assert seen["env"] == {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "WANDB_API_KEY": "secret-123", "A": "1"}
+    assert "secret-123" not in str(seen["argv"])
 
 
 def test_relative_run_root_is_warned_about() -> None:
