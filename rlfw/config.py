@@ -246,6 +246,8 @@ class TaskConfig:
     rewards: list[Any] = field(default_factory=list)  # dataset: [{ref, weight, name}], summed; or use reward
     chat_template: bool = False  # dataset: render prompts with the tokenizer's chat template
     system_prompt: str | None = None  # dataset with chat_template: a system message before each prompt
+    reward_workers: int = 2  # dataset: processes the reward calls run in (0: in the driver, no timeout)
+    reward_timeout_s: float = 60.0  # dataset: a reward call running longer drops its sample (counted)
     max_operand: int = 20  # arithmetic: operands are drawn from [0, max_operand]
     warm_start_steps: int = 0  # supervised steps on demonstrations before RL (cached); 0 skips
     warm_start_lr: float = 3e-3  # learning rate of the warm start
@@ -255,6 +257,8 @@ class TaskConfig:
         check_range("task.max_operand", self.max_operand, lo=1)
         check_range("task.warm_start_steps", self.warm_start_steps, lo=0)
         check_range("task.warm_start_lr", self.warm_start_lr, lo=0.0)
+        check_range("task.reward_workers", self.reward_workers, lo=0)
+        check_range("task.reward_timeout_s", self.reward_timeout_s, lo=1e-3)
         if self.name == "gsm8k" and not self.data_path:
             raise ConfigError("task=gsm8k reads a local JSONL file: pass task.data_path=/path/to/gsm8k.jsonl")
         if self.name == "dataset" and not self.data_path:

@@ -20,6 +20,7 @@ from typing import Any
 
 from rlfw.tasks.base import Problem
 from rlfw.tasks.gsm8k import DatasetError
+from rlfw.tasks.reward_pool import RewardPool
 from rlfw.tasks.reward_ref import RewardFn
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -73,6 +74,7 @@ class DatasetTask:
     answer_key: str = "answer"
     source: str = "dataset"
     render: Any = None  # prompt -> text (the chat template); None: the prompt field as it is
+    pool: RewardPool | None = None  # reward calls in worker processes with a timeout; None: in this one
     name: str = "dataset"
     problems: list[Problem] = field(init=False)
     fields: list[dict[str, Any]] = field(init=False)
@@ -111,6 +113,24 @@ class DatasetTask:
         """Each configured function's value for ``response`` (unweighted), by name."""
         row = self.fields[problem.uid]
         return {r.name: r(problem.prompt, response, row) for r in self.rewards}
+
+    def reward_batch(self, problems: list[Problem], responses: list[str]) -> list[dict[str, float] | str]:
+        """Every call's named values, or why it failed (raised, not finite, timed out)."""
+        if self.pool is not None:
+            calls = [(p.prompt, r, self.fields[p.uid]) for p, r in zip(problems, responses, strict=True)]
+            return self.pool.score(calls)
+        out: list[dict[str, float] | str] = []
+        for p, r in zip(problems, responses, strict=True):
+            try:
+                out.append(self.reward_parts(p, r))
+            except Exception as err:  # noqa: BLE001 - the user's function may raise anything
+                out.append(f"{type(err).__name__}: {err}")
+        return out
+
+    def close(self) -> None:
+        """Stop the reward workers (the run calls it at the end)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def reward(self, problem: Problem, response: str) -> float:
         parts = self.reward_parts(problem, response)

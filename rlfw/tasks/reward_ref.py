@@ -29,6 +29,7 @@ class RewardFn:
     weight: float
     fn: Callable[..., Any]
     accepts: frozenset[str] | None  # None: takes **kwargs, so every field
+    ref: str = ""  # what loaded it (worker processes load it again from this)
 
     def __call__(self, prompt: str, response: str, row: Mapping[str, Any]) -> float:
         given = {"prompt": prompt, "response": response, **row}
@@ -70,7 +71,8 @@ def load_reward(ref: str, key: str = "task.reward", weight: float = 1.0, name: s
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"{key}={ref!r}: {module_ref} has no function {attr!r}")
-    return RewardFn(name or attr, float(weight), fn, _accepted(fn))
+    where = f"{Path(module_ref).expanduser().resolve()}:{attr}" if module_ref.endswith(".py") else ref
+    return RewardFn(name or attr, float(weight), fn, _accepted(fn), where)
 
 
 def _accepted(fn: Callable[..., Any]) -> frozenset[str] | None:

@@ -33,20 +33,28 @@ def score(task: Task, problems: list[Problem], responses: list[str]) -> RewardRe
     rewards: list[float | None] = []
     errors: list[str] = []
     parts: dict[str, list[float]] = {}
-    split = getattr(task, "reward_parts", None)  # tasks with several named rewards (task=dataset)
-    weights = {r.name: r.weight for r in getattr(task, "rewards", [])}
+    batch = getattr(task, "reward_batch", None)  # tasks with named rewards, maybe in a pool (dataset)
+    if batch is not None:
+        weights = {r.name: r.weight for r in task.rewards}  # type: ignore[attr-defined]
+        for problem, outcome in zip(problems, batch(problems, responses), strict=True):
+            if isinstance(outcome, str):
+                rewards.append(None)
+                errors.append(f"problem {problem.uid}: {outcome}")
+                continue
+            rewards.append(sum(weights[k] * v for k, v in outcome.items()))
+            for name, v in outcome.items():
+                parts.setdefault(name, []).append(v)
+        if errors:
+            log.warning(
+                "%d reward call(s) failed; their samples are dropped. First: %s", len(errors), errors[0]
+            )
+        return RewardResult(rewards, errors, parts)
     for problem, response in zip(problems, responses, strict=True):
         try:
-            if split is not None:
-                named = split(problem, response)
-                value = sum(weights[k] * v for k, v in named.items())
-            else:
-                named, value = {}, float(task.reward(problem, response))
+            value = float(task.reward(problem, response))
             if not math.isfinite(value):
                 raise ValueError(f"reward returned {value}")
             rewards.append(value)
-            for name, v in named.items():
-                parts.setdefault(name, []).append(v)
         except Exception as err:  # noqa: BLE001 - a user reward function may raise anything
             rewards.append(None)
             errors.append(f"problem {problem.uid}: {type(err).__name__}: {err}")

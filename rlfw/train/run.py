@@ -94,6 +94,9 @@ def train(run: RunConfig) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         logger.close()
+        close_task = getattr(setup.task, "close", None)  # task=dataset's reward workers
+        if close_task is not None:
+            close_task()
         trainer.shutdown()
         ray.shutdown()
     return code

@@ -68,6 +68,8 @@ def build_setup(run: RunConfig, run_dir: Path) -> Setup:
         chat_template=t.chat_template,
         system_prompt=t.system_prompt,
         tokenizer=tok,
+        reward_workers=t.reward_workers,
+        reward_timeout_s=t.reward_timeout_s,
     )
     if run.task.warm_start_steps > 0:
         ws = WarmStart(

@@ -163,3 +163,35 @@ def test_math_equal_and_the_config_surface(tmp_path: Path) -> None:
     run = load_config(["recipe=example_dataset"])
     task = build_task(run.task.name, run.task.data_path, reward=run.task.reward)
     assert task.sample(3, random.Random(0))[0].prompt.startswith("double ")
+
+
+def test_the_reward_pool_drops_raising_nan_hanging_and_crashing_calls_and_carries_on(tmp_path: Path) -> None:
+    """Each failure costs its own sample only; a hang is cut at task.reward_timeout_s and the pool is
+    replaced, after which calls work again."""
+    (tmp_path / "r.py").write_text(
+        "import os, time\n"
+        "def judge(response, n):\n"
+        "    if response == 'boom':\n        raise RuntimeError('grader crashed')\n"
+        "    if response == 'hang':\n        time.sleep(60)\n"
+        "    if response == 'exit':\n        os._exit(3)\n"
+        "    return float('nan') if response == 'nan' else float(response == str(2 * n))\n"
+    )
+    task = build_task(
+        "dataset",
+        str(_write(tmp_path, "jsonl")),
+        reward=f"{tmp_path}/r.py:judge",
+        reward_workers=2,
+        reward_timeout_s=2.0,
+    )
+    assert isinstance(task, DatasetTask) and task.pool is not None
+    try:
+        p = task.problems[2]
+        result = score(task, [p] * 5, ["4", "boom", "nan", "hang", "5"])
+        assert result.rewards == [1.0, None, None, None, 0.0] and result.num_failed == 3
+        assert "grader crashed" in result.errors[0] and "returned nan" in result.errors[1]
+        assert "timed out after 2 s" in result.errors[2]
+        assert score(task, [p, p], ["4", "3"]).rewards == [1.0, 0.0]  # the new pool works
+        crashed = score(task, [p, p], ["exit", "4"])  # the interpreter dies: its call is lost, then cut
+        assert crashed.rewards == [None, 1.0] and "timed out" in crashed.errors[0]
+    finally:
+        task.pool.close()
