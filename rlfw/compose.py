@@ -43,8 +43,16 @@ def _refuse_hydra_keys(overrides: list[str]) -> None:
             raise ConfigError(f"{key} is not read by rlfw; use {use}")
 
 
+def _path_implies_hf(overrides: list[str]) -> list[str]:
+    """``model.path=DIR`` alone means an HF checkpoint: add ``model=hf`` unless a model group is chosen."""
+    has_path = any(o.startswith("model.path=") and o != "model.path=null" for o in overrides)
+    has_group = any(o.startswith(("model=", "override model=")) for o in overrides)
+    return ["model=hf", *overrides] if has_path and not has_group else overrides
+
+
 def _split_recipe(overrides: list[str]) -> tuple[str, list[str]]:
     _refuse_hydra_keys(overrides)
+    overrides = _path_implies_hf(overrides)
     recipe, rest = DEFAULT_RECIPE, []
     for o in overrides:
         if o.startswith("recipe="):

@@ -134,3 +134,11 @@ def test_every_numeric_field_refuses_a_value_outside_its_range(
 def test_values_that_ran_and_failed_later_are_refused_up_front(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(overrides)
+
+
+def test_a_model_path_alone_means_an_hf_checkpoint() -> None:
+    """`rlfw audit model.path=DIR`, as the README writes it, without also saying model=hf."""
+    run = load_config(["model.path=/ckpt"])
+    assert run.model.path == "/ckpt" and run.model.preset is None
+    assert load_config(["model=hf", "model.path=/ckpt"]).model == run.model
+    assert load_config([]).model.preset == "tiny_dense"

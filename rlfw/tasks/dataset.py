@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import glob
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,18 @@ class DatasetTask:
             f"{self.source}: row {i}'s prompt is a {type(prompt).__name__}; chat messages need "
             "task.chat_template=true, anything else must be a string"
         )
+
+    def drop_long_prompts(self, count_tokens: Callable[[str], int], max_tokens: int) -> int:
+        """Drop the problems whose prompt has more than ``max_tokens`` tokens (the engine could not give
+        them a response); returns how many were dropped. Nothing is truncated."""
+        kept = [p for p in self.problems if count_tokens(p.prompt) <= max_tokens]
+        dropped = len(self.problems) - len(kept)
+        if not kept:
+            raise DatasetError(
+                f"{self.source}: every prompt is longer than {max_tokens} tokens; raise engine.max_model_len"
+            )
+        self.problems = kept
+        return dropped
 
     def sample(self, n: int, rng: random.Random) -> list[Problem]:
         return [self.problems[rng.randrange(len(self.problems))] for _ in range(n)]

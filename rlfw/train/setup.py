@@ -19,6 +19,7 @@ from rlfw.kernels import get_ops
 from rlfw.model.config import ModelArgs
 from rlfw.model.distribution import Transforms
 from rlfw.tasks import Task, build_task
+from rlfw.tasks.dataset import DatasetTask
 from rlfw.tokenizer import build_tiny_tokenizer, check_vocab, load_tokenizer
 from rlfw.train.warm_start import WarmStart, cached_warm_start
 from rlfw.trainer.deepspeed_backend import OptimConfig
@@ -71,6 +72,19 @@ def build_setup(run: RunConfig, run_dir: Path) -> Setup:
         reward_workers=t.reward_workers,
         reward_timeout_s=t.reward_timeout_s,
     )
+    if isinstance(task, DatasetTask):  # a prompt needs room for at least one response token
+        total = len(task.problems)
+        dropped = task.drop_long_prompts(
+            lambda text: len(tok(text, add_special_tokens=False).input_ids), run.engine.max_model_len - 1
+        )
+        if dropped:
+            log.warning(
+                "task=dataset: %d of %d prompts are longer than engine.max_model_len - 1 = %d tokens and "
+                "were dropped (not truncated); raise engine.max_model_len to keep them",
+                dropped,
+                total,
+                run.engine.max_model_len - 1,
+            )
     if run.task.warm_start_steps > 0:
         ws = WarmStart(
             str(run.model.path or run.model.preset),

@@ -195,3 +195,16 @@ def test_the_reward_pool_drops_raising_nan_hanging_and_crashing_calls_and_carrie
         assert crashed.rewards == [None, 1.0] and "timed out" in crashed.errors[0]
     finally:
         task.pool.close()
+
+
+def test_prompts_the_engine_cannot_answer_are_dropped_and_counted_not_truncated(tmp_path: Path) -> None:
+    path = tmp_path / "l.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "x" * n, "answer": "1"}) + "\n" for n in (3, 10, 5, 40)))
+    task = _task(str(path))
+    assert task.drop_long_prompts(len, 9) == 2
+    assert sorted(len(p.prompt) for p in task.problems) == [3, 5]  # whole prompts, none cut
+    assert {task.fields[p.uid]["answer"] for p in task.problems} == {"1"}  # fields still follow by uid
+    with pytest.raises(
+        DatasetError, match="every prompt is longer than 2 tokens; raise engine.max_model_len"
+    ):
+        task.drop_long_prompts(len, 2)
