@@ -75,7 +75,7 @@ def train(run: RunConfig) -> int:
     )
     driver = Driver(run, setup, rollout, trainer, weights, logger, run_dir, state)
     code = 0
-    previous = _handle_sigterm()
+    previous = _handle_stop_signals()
     try:
         if run.sync.mode == "async":
             async_steps(driver)
@@ -91,8 +91,8 @@ def train(run: RunConfig) -> int:
         log.error("rlfw train: stopped: %s", err)
         code = 1
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         logger.close()
         close_task = getattr(setup.task, "close", None)  # task=dataset's reward workers
         if close_task is not None:
@@ -110,9 +110,14 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def _handle_sigterm() -> Any:
-    """Route SIGTERM to :class:`Terminated` in the driver (over Ray's handler, which aborts); returns the
-    handler it replaced, or None off the main thread, where Python cannot install one."""
+def _handle_stop_signals() -> dict[int, Any]:
+    """Route SIGTERM to :class:`Terminated` (over Ray's handler, which aborts) and SIGINT to
+    ``KeyboardInterrupt`` even when the run was started with SIGINT ignored (a background job of a
+    non-interactive shell inherits that), so ``kill -INT`` always checkpoints. Returns the handlers it
+    replaced; nothing off the main thread, where Python cannot install handlers."""
     if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _raise_terminated)
+        return {}
+    return {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+    }

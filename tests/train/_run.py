@@ -72,17 +72,19 @@ def run_until(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            if ready(root / name):
-                if sig == signal.SIGKILL:
-                    os.killpg(proc.pid, sig)
-                else:
-                    os.kill(proc.pid, sig)
-                break
-            time.sleep(0.05)
-        code = proc.wait(timeout=120)
-    _reap_group(proc.pid)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and proc.poll() is None:
+                if ready(root / name):
+                    if sig == signal.SIGKILL:
+                        os.killpg(proc.pid, sig)
+                    else:
+                        os.kill(proc.pid, sig)
+                    break
+                time.sleep(0.05)
+            code = proc.wait(timeout=120)
+        finally:
+            _reap_group(proc.pid)  # also when the run ignored the signal: nothing of it outlives the test
     return Run(code, log_path.read_text(), root / name)
 
 
