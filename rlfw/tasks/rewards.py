@@ -29,35 +29,40 @@ class RewardResult:
 
 
 def score(task: Task, problems: list[Problem], responses: list[str]) -> RewardResult:
-    """Call the task's reward on each response; exceptions and non-finite values are counted, not raised."""
+    """Call the task's reward on each response; exceptions and non-finite values are counted, not raised.
+
+    A task with several named rewards (``task=dataset``) scores the batch itself (``reward_batch``,
+    maybe in worker processes) and gives each call's values by name, summed here with their weights."""
+    batch = getattr(task, "reward_batch", None)
+    if batch is not None:
+        outcomes: list[float | dict[str, float] | str] = list(batch(problems, responses))
+    else:
+        outcomes = [_call(task, p, r) for p, r in zip(problems, responses, strict=True)]
+    weights = {r.name: r.weight for r in getattr(task, "rewards", [])}
     rewards: list[float | None] = []
     errors: list[str] = []
     parts: dict[str, list[float]] = {}
-    batch = getattr(task, "reward_batch", None)  # tasks with named rewards, maybe in a pool (dataset)
-    if batch is not None:
-        weights = {r.name: r.weight for r in task.rewards}  # type: ignore[attr-defined]
-        for problem, outcome in zip(problems, batch(problems, responses), strict=True):
-            if isinstance(outcome, str):
-                rewards.append(None)
-                errors.append(f"problem {problem.uid}: {outcome}")
-                continue
+    for problem, outcome in zip(problems, outcomes, strict=True):
+        if isinstance(outcome, str):
+            rewards.append(None)
+            errors.append(f"problem {problem.uid}: {outcome}")
+        elif isinstance(outcome, dict):
             rewards.append(sum(weights[k] * v for k, v in outcome.items()))
             for name, v in outcome.items():
                 parts.setdefault(name, []).append(v)
-        if errors:
-            log.warning(
-                "%d reward call(s) failed; their samples are dropped. First: %s", len(errors), errors[0]
-            )
-        return RewardResult(rewards, errors, parts)
-    for problem, response in zip(problems, responses, strict=True):
-        try:
-            value = float(task.reward(problem, response))
-            if not math.isfinite(value):
-                raise ValueError(f"reward returned {value}")
-            rewards.append(value)
-        except Exception as err:  # noqa: BLE001 - a user reward function may raise anything
-            rewards.append(None)
-            errors.append(f"problem {problem.uid}: {type(err).__name__}: {err}")
+        else:
+            rewards.append(outcome)
     if errors:
         log.warning("%d reward call(s) failed; their samples are dropped. First: %s", len(errors), errors[0])
     return RewardResult(rewards, errors, parts)
+
+
+def _call(task: Task, problem: Problem, response: str) -> float | str:
+    """One reward call: its finite value, or why it failed."""
+    try:
+        value = float(task.reward(problem, response))
+        if not math.isfinite(value):
+            raise ValueError(f"reward returned {value}")
+        return value
+    except Exception as err:  # noqa: BLE001 - a user reward function may raise anything
+        return f"{type(err).__name__}: {err}"
