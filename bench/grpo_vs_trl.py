@@ -14,6 +14,8 @@ the first (which compiles and warms up). Sides:
   whole machine, as a user would run it);
 * ``rlfw-sync``: ``rlfw train`` (Ray, a rollout actor and a DeepSpeed rank of one thread each, all four
   streams on every token);
+* ``rlfw-sync-allcores``: ``rlfw-sync`` with ``engine.cpu_threads=0 trainer.cpu_threads=0``: the phases
+  take turns, so each uses every core (as TRL's single process does);
 * ``rlfw-async``: the same with ``sync=async`` (generation of step t+1 overlaps training on step t, so
   the two pools work at once), with ``correction=dlc``, the correction an async run would use.
 """
@@ -62,6 +64,7 @@ def rlfw_side(folder: Path, root: Path, steps: int, mode: str) -> list[float]:
         f"algo.group_size={GROUP}",
         f"engine.max_new_tokens={TOKENS}",
         "engine.ignore_eos=true",
+        "task.warm_start_steps=0",  # TRL trains the checkpoint as it is; so does rlfw here
         f"engine.max_model_len={TOKENS + 64}",
         f"engine.max_slots={PROMPTS * GROUP}",
         "logger.wandb=false",
@@ -70,6 +73,10 @@ def rlfw_side(folder: Path, root: Path, steps: int, mode: str) -> list[float]:
     ]
     if mode == "async":
         overrides += ["sync=async", "correction=dlc"]
+    elif mode == "sync-allcores":
+        overrides += ["engine.cpu_threads=0", "trainer.cpu_threads=0"]
+    elif mode != "sync":
+        raise SystemExit(f"unknown side rlfw-{mode}")
     cmd = [str(Path(sys.executable).with_name("rlfw")), "train", *overrides]
     proc = subprocess.run(cmd, env=os.environ | SUBPROCESS_ENV, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -148,7 +155,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--sides", nargs="*", default=["trl", "rlfw-sync", "rlfw-async"])
+    ap.add_argument("--sides", nargs="*", default=["trl", "rlfw-sync", "rlfw-sync-allcores", "rlfw-async"])
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(Path(__file__).with_name("results_grpo_vs_trl.json")))
     a = ap.parse_args()

@@ -15,10 +15,14 @@ from pathlib import Path
 from typing import Any
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("module.cpp", "linear.cpp", "attention.cpp")]
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 """``-march=native`` only decides speed (AVX2/FMA or the portable path): both paths compute the same
 fma chains, and fma is exactly rounded, so every machine gets the same bits. ``-ffp-contract=off`` keeps
-the compiler from fusing the fold's additions."""
+the compiler from fusing the fold's additions. ``-fopenmp``: ``at::parallel_for`` is inline in the
+extension and runs its range on one thread unless the extension itself is built with OpenMP; with it,
+the kernels use ``torch.get_num_threads()`` threads (each output element is still one thread's fma
+chain, so the bits do not depend on the count: tested)."""
+LDFLAGS = ["-fopenmp"]
 
 
 @functools.cache
@@ -27,5 +31,9 @@ def module() -> Any:
     from torch.utils.cpp_extension import load
 
     return load(
-        name="rlfw_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, verbose=False
+        name="rlfw_cpu_kernels",
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        verbose=False,
     )

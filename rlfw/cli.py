@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rlfw.config import ConfigError
 
@@ -12,8 +13,12 @@ USAGE = """rlfw VERB [overrides...]
 verbs:
   train   [recipe=NAME] [key=value ...]   the main job; no recipe runs the embedded default
           ... --cfg job                    print the composed config and exit
+  train   -m KEY=A,B [KEY2=X,Y ...]        a sweep: one run per combination, in one sweep folder
+          [launcher=local|submitit_slurm|submitit_local]
   audit   [model.path=DIR] [key=value ...] the validation ladder on one checkpoint, as JSON
   report  RUN_DIR                          render per-factor plots from a run's metrics.jsonl
+  report  SWEEP_DIR | RUN_DIR RUN_DIR ...  one interactive page comparing runs, grouped by what
+          [--out FILE]                     differs between them (seeds pooled, 95% bands)
 """
 
 
@@ -21,8 +26,11 @@ def cmd_train(overrides: list[str]) -> int:
     import logging
 
     from rlfw.compose import load_config
+    from rlfw.sweep import is_multirun, run_sweep
     from rlfw.train.run import train
 
+    if is_multirun(overrides) and "--cfg" not in overrides:
+        return run_sweep(overrides)
     if "--cfg" in overrides:  # Hydra's `--cfg job`: print the composed config, run nothing
         from rlfw.compose import to_yaml
 
@@ -52,18 +60,29 @@ def cmd_audit(overrides: list[str]) -> int:
 
 
 def cmd_report(args: list[str]) -> int:
+    from rlfw.logging.compare import SWEEP_FILE, render_compare
     from rlfw.logging.jsonl import MetricsFileError
     from rlfw.logging.report import render_report
 
-    if len(args) != 1:
-        print("usage: rlfw report RUN_DIR", file=sys.stderr)
+    out = None
+    if "--out" in args:
+        at = args.index("--out")
+        if at + 1 >= len(args):
+            print("rlfw report: --out needs a file name", file=sys.stderr)
+            return 2
+        out, args = args[at + 1], args[:at] + args[at + 2 :]
+    if not args:
+        print("usage: rlfw report RUN_DIR | SWEEP_DIR | RUN_DIR RUN_DIR ... [--out FILE]", file=sys.stderr)
         return 2
     try:
-        index = render_report(args[0])
+        if len(args) == 1 and not (Path(args[0]) / SWEEP_FILE).is_file():
+            page = render_report(args[0])
+        else:
+            page = render_compare(args, out)
     except MetricsFileError as err:
         print(f"rlfw report: {err}", file=sys.stderr)
         return 1
-    print(index)
+    print(page)
     return 0
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
@@ -23,7 +25,42 @@ def project_root() -> Path:
 
 
 def available_recipes() -> list[str]:
-    return sorted(p.stem for p in (project_root() / "recipes").glob("*.yaml"))
+    """Shipped recipe names, ``experiments/...`` included (``recipe=NAME`` composes ``recipes/NAME.yaml``)."""
+    folder = project_root() / "recipes"
+    return sorted(p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml"))
+
+
+@dataclass
+class Recipe:
+    """A resolved ``recipe=``: the file, and the folders Hydra searches for what it names in ``defaults``."""
+
+    path: Path
+    searchpath: list[Path]
+
+
+def find_recipe(recipe: str, config_dirs: list[Path]) -> Recipe:
+    """``recipe=NAME`` in the user's ``--config-dir`` folders, then in ``recipes/``; or ``recipe=FILE.yaml``.
+
+    Whatever the recipe's ``defaults`` name is looked up in the user's folders first, then in rlfw's
+    ``configs/`` (component groups and the base ``config``) and ``recipes/`` (so a recipe can build on a
+    shipped one, ``defaults: [default, _self_]``).
+    """
+    root = project_root()
+    searchpath = [*config_dirs, root / "configs", root / "recipes"]
+    if recipe.endswith((".yaml", ".yml")):
+        path = Path(recipe).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"recipe={recipe}: no such file; pass a recipe YAML file or a recipe name")
+        return Recipe(path, [path.parent, *searchpath])
+    for folder in [*config_dirs, root / "recipes"]:
+        path = folder / f"{recipe}.yaml"
+        if path.is_file():
+            return Recipe(path.resolve(), searchpath)
+    where = ", ".join(str(d) for d in [*config_dirs, root / "recipes"])
+    raise ConfigError(
+        f"recipe={recipe!r} not found in {where}; available: {', '.join(available_recipes())}"
+        " (or pass --config-dir DIR, or recipe=path/to/file.yaml)"
+    )
 
 
 HYDRA_KEYS = {
@@ -50,7 +87,31 @@ def _path_implies_hf(overrides: list[str]) -> list[str]:
     return ["model=hf", *overrides] if has_path and not has_group else overrides
 
 
-def _split_recipe(overrides: list[str]) -> tuple[str, list[str]]:
+def split_config_dirs(args: list[str]) -> tuple[list[Path], list[str]]:
+    """Take Hydra's ``--config-dir DIR`` / ``--config-dir=DIR`` (repeatable) out of ``args``."""
+    dirs, rest, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--config-dir" or a == "-cd":
+            if i + 1 >= len(args):
+                raise ConfigError("--config-dir needs a folder: --config-dir DIR recipe=NAME")
+            dirs.append(args[i + 1])
+            i += 2
+            continue
+        if a.startswith("--config-dir="):
+            dirs.append(a.removeprefix("--config-dir="))
+        else:
+            rest.append(a)
+        i += 1
+    paths = [Path(d).expanduser().resolve() for d in dirs]
+    for d, p in zip(dirs, paths, strict=True):
+        if not p.is_dir():
+            raise ConfigError(f"--config-dir {d}: no such folder")
+    return paths, rest
+
+
+def _split_recipe(overrides: list[str]) -> tuple[Recipe, list[str]]:
+    config_dirs, overrides = split_config_dirs(overrides)
     _refuse_hydra_keys(overrides)
     overrides = _path_implies_hf(overrides)
     recipe, rest = DEFAULT_RECIPE, []
@@ -59,12 +120,7 @@ def _split_recipe(overrides: list[str]) -> tuple[str, list[str]]:
             recipe = o.removeprefix("recipe=")
         else:
             rest.append(o)
-    if recipe not in available_recipes():
-        raise ConfigError(
-            f"recipe={recipe!r} not found in {project_root() / 'recipes'}; "
-            f"available: {', '.join(available_recipes())}"
-        )
-    return recipe, rest
+    return find_recipe(recipe, config_dirs), rest
 
 
 def _allowed_keys(dotted: str) -> str:
@@ -97,12 +153,8 @@ def load_config(overrides: list[str] | None = None) -> RunConfig:
     """The validated run config for ``recipe=NAME`` (default: the embedded default) plus overrides."""
     recipe, rest = _split_recipe(list(overrides or []))
     register_configs()
-    root = project_root()
-    # Recipes are primary configs; the component groups and the base `config` come from configs/.
-    searchpath = f"hydra.searchpath=[file://{root / 'configs'}]"
     try:
-        with initialize_config_dir(config_dir=str(root / "recipes"), version_base="1.3"):
-            cfg = compose(config_name=recipe, overrides=[*rest, searchpath])
+        cfg = _compose(recipe, rest)
         OmegaConf.resolve(cfg)
         run = OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException) as err:
@@ -111,6 +163,29 @@ def load_config(overrides: list[str] | None = None) -> RunConfig:
         raise ConfigError(str(err)) from err
     assert isinstance(run, RunConfig)
     return run
+
+
+def _compose(recipe: Recipe, overrides: list[str], with_hydra: bool = False) -> Any:
+    # The recipe is the primary config; what its defaults name comes from the search path.
+    searchpath = "hydra.searchpath=[" + ",".join(f"file://{p}" for p in recipe.searchpath) + "]"
+    with initialize_config_dir(config_dir=str(recipe.path.parent), version_base="1.3"):
+        return compose(
+            config_name=recipe.path.stem,
+            overrides=[*overrides, searchpath],
+            return_hydra_config=with_hydra,
+        )
+
+
+def recipe_sweep(overrides: list[str]) -> list[str]:
+    """The sweep the chosen recipe declares (Hydra's ``hydra.sweeper.params: {key: "a,b"}``) as overrides."""
+    recipe, _ = _split_recipe(list(overrides))
+    register_configs()
+    try:
+        cfg = _compose(recipe, [], with_hydra=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise _explain(err) from err
+    params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+    return [f"{key}={value}" for key, value in params.items()]
 
 
 def to_yaml(run: RunConfig) -> str:

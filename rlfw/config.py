@@ -98,6 +98,8 @@ class EngineConfig:
     seed: int = 0  # sampling seed
     prefill_fraction: float = 1.0  # share of sequences given the prefill stream (< 1 needs the contract)
     ignore_eos: bool = False  # never stop at the tokenizer's eos: every response runs to max_new_tokens
+    cpu_threads: int = 1  # built-in engine: CPU threads per engine actor; 0 = every core of its node (see
+    # README: with sync.mode=sync the phases alternate, so each may use the whole machine)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)  # sampling transforms and precision
     vllm: VllmSettings = field(default_factory=VllmSettings)  # engine=vllm only
 
@@ -110,6 +112,7 @@ class EngineConfig:
         check_range("engine.max_slots", self.max_slots, lo=1)
         check_range("engine.max_model_len", self.max_model_len, lo=2)
         check_range("engine.seed", self.seed, lo=0)
+        check_range("engine.cpu_threads", self.cpu_threads, lo=0)
         if self.name == "vllm" and self.sampler.precision != "fp32":
             raise ConfigError(
                 f"engine=vllm samples from fp32 logits; engine.sampler.precision={self.sampler.precision!r} "
@@ -137,6 +140,7 @@ class TrainerConfig:
     steps: int = 20  # optimizer steps in the run
     checkpoint_every: int = 5  # save a resumable checkpoint every this many steps (and at the end)
     max_skipped_steps: int = 3  # stop (exit 1) after this many steps in a row with nothing to train on
+    cpu_threads: int = 1  # CPU threads per trainer rank; 0 = every core of its node
 
     def __post_init__(self) -> None:
         check_choice("trainer.zero_stage", self.zero_stage, (0, 1, 2, 3))
@@ -151,6 +155,7 @@ class TrainerConfig:
         check_range("trainer.steps", self.steps, lo=1)
         check_range("trainer.checkpoint_every", self.checkpoint_every, lo=1)
         check_range("trainer.max_skipped_steps", self.max_skipped_steps, lo=1)
+        check_range("trainer.cpu_threads", self.cpu_threads, lo=0)
 
 
 @dataclass
@@ -225,6 +230,7 @@ class LoggerConfig:
     project: str = "rlfw"  # W&B project
     run_name: str | None = None  # W&B run name and run-folder name; None picks a timestamp
     run_root: str = "runs"  # run folders are created under this directory
+    group: str | None = None  # W&B group; a sweep (`rlfw train -m`) sets it to the sweep's folder name
 
     def __post_init__(self) -> None:
         check_choice("logger.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
@@ -270,6 +276,29 @@ class TaskConfig:
 
 
 @dataclass
+class LauncherConfig:
+    """Where the jobs of a sweep (``rlfw train -m``) run; a single run does not read it."""
+
+    name: str = "local"  # local: one job after another on this machine | submitit: through submitit (SLURM)
+    cluster: str = "slurm"  # submitit: slurm | local (subprocesses here) | debug (one at a time, here)
+    partition: str | None = None  # submitit on SLURM: the partition
+    timeout_min: int = 240  # submitit: a job's wall-clock limit in minutes
+    gpus_per_node: int = 0  # submitit: GPUs a job reserves
+    cpus_per_task: int = 2  # submitit: CPUs a job reserves
+    mem_gb: int = 24  # submitit: memory a job reserves
+    array_parallelism: int = 16  # submitit: most jobs of the sweep running at once
+
+    def __post_init__(self) -> None:
+        check_choice("launcher.name", self.name, ("local", "submitit"))
+        check_choice("launcher.cluster", self.cluster, ("slurm", "local", "debug"))
+        check_range("launcher.timeout_min", self.timeout_min, lo=1)
+        check_range("launcher.gpus_per_node", self.gpus_per_node, lo=0)
+        check_range("launcher.cpus_per_task", self.cpus_per_task, lo=1)
+        check_range("launcher.mem_gb", self.mem_gb, lo=1)
+        check_range("launcher.array_parallelism", self.array_parallelism, lo=1)
+
+
+@dataclass
 class RunConfig:
     """A whole experiment: what ``rlfw train`` and ``rlfw audit`` read."""
 
@@ -286,6 +315,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
         check_choice("kernels", self.kernels, ("invariant", "default"))
@@ -312,6 +342,7 @@ GROUPS: dict[str, type] = {
     "sync": SyncConfig,
     "logger": LoggerConfig,
     "task": TaskConfig,
+    "launcher": LauncherConfig,
 }
 
 

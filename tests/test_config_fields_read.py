@@ -19,6 +19,7 @@ from rlfw.algos.config import CorrectionConfig
 from rlfw.config import (
     AlgoConfig,
     EngineConfig,
+    LauncherConfig,
     LoggerConfig,
     ModelConfig,
     RunConfig,
@@ -44,6 +45,7 @@ CLASSES: dict[str, type] = {
         SyncConfig,
         LoggerConfig,
         TaskConfig,
+        LauncherConfig,
     )
 }
 DOCUMENTATION_ONLY: dict[str, str] = {}  # "Class.field": why nothing reads it

@@ -37,6 +37,19 @@ def worker_env(local: bool) -> dict[str, str]:
     return {k: os.environ[k] for k in keys if k in os.environ}
 
 
+def use_cpu_threads(n: int) -> int:
+    """Give this actor's torch ``n`` CPU threads (0: every core of the node); returns the number set.
+
+    Local runs start actors with ``OMP_NUM_THREADS=1`` (one core per pool bundle); the invariant kernels
+    give the same forward bits at any thread count (tested), so this changes speed, not the contract.
+    """
+    import torch
+
+    threads = n if n > 0 else (os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def init_ray(num_rollout: int, num_trainer: int, address: str | None = None) -> None:
     """Connect to ``address`` (a cluster), or start a local Ray with emulated GPU pools on loopback.
 

@@ -123,10 +123,12 @@ def shard_rows(n: int, parts: int) -> list[slice]:
 class TrainerGroup:
     """The data-parallel trainer ranks; each step's batch is split into contiguous row shards."""
 
-    def __init__(self, pool: Pool, spec: ModelSpec, optim: OptimConfig, step: StepSpec) -> None:
+    def __init__(
+        self, pool: Pool, spec: ModelSpec, optim: OptimConfig, step: StepSpec, cpu_threads: int = 1
+    ) -> None:
         port = free_port()
         self.actors: list[Any] = [  # actor handles
-            TrainerActor.options(**pool.options(r)).remote(r, pool.size, port, spec, optim, step)
+            TrainerActor.options(**pool.options(r)).remote(r, pool.size, port, spec, optim, step, cpu_threads)
             for r in range(pool.size)
         ]
 

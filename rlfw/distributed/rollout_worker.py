@@ -23,7 +23,7 @@ import threading
 import ray
 
 from rlfw.config import EngineConfig
-from rlfw.distributed.cluster import peak_rss_mb
+from rlfw.distributed.cluster import peak_rss_mb, use_cpu_threads
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup
 from rlfw.rollout.engine import Engine
@@ -38,6 +38,7 @@ class RolloutWorker:
         self, spec: ModelSpec, engine_cfg: EngineConfig, stop_ids: list[int], contract_hash: str
     ) -> None:
         self.engine: Engine
+        use_cpu_threads(engine_cfg.cpu_threads)
         if engine_cfg.name == "vllm":
             from rlfw.rollout.vllm.engine import VllmEngine
 

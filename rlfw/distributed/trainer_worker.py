@@ -8,7 +8,7 @@ from typing import Any
 import ray
 import torch
 
-from rlfw.distributed.cluster import peak_rss_mb
+from rlfw.distributed.cluster import peak_rss_mb, use_cpu_threads
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup, describe
 from rlfw.trainer.deepspeed_backend import DeepSpeedBackend, OptimConfig
@@ -20,9 +20,18 @@ class TrainerWorker:
     """One data-parallel rank: trains on its shard of each step, publishes weights from rank 0."""
 
     def __init__(
-        self, rank: int, world: int, port: int, spec: ModelSpec, optim: OptimConfig, step: StepSpec
+        self,
+        rank: int,
+        world: int,
+        port: int,
+        spec: ModelSpec,
+        optim: OptimConfig,
+        step: StepSpec,
+        cpu_threads: int = 1,
     ) -> None:
         import deepspeed
+
+        use_cpu_threads(cpu_threads)
 
         os.environ.update(
             MASTER_ADDR="127.0.0.1",

@@ -4,9 +4,14 @@ The layout is plain data (`SECTIONS`), read by both `rlfw report` (matplotlib, o
 `create_workspace` (a W&B workspace, online), so the local report and the W&B page always group the
 same keys the same way. Every key named here comes from `rlfw.logging.metrics`; a test holds that.
 
-Create the W&B workspace (needs `pip install wandb-workspaces` and `wandb login`):
+Create the W&B workspace (after `wandb login`; `wandb-workspaces` is a dependency):
 
-    python -m rlfw.logging.dashboard ENTITY PROJECT
+    python -m rlfw.logging.dashboard ENTITY PROJECT [CONFIG_KEY ...]
+
+Besides `SECTIONS`, the workspace has a "sweep comparison" group: the runs table is grouped by W&B
+group (a sweep, `rlfw train -m`) and then by the config keys named (default `correction.name`), and the
+comparison panels draw each group's mean with its standard-error band, the same pooling over seeds as
+the offline page of `rlfw report SWEEP_DIR`.
 """
 
 from __future__ import annotations
@@ -99,13 +104,22 @@ RUN_SECTION = Section(
 
 SECTIONS: tuple[Section, ...] = (*(ratio_section(r) for r in m.RATIOS), SYNC_SECTION, RUN_SECTION)
 
+COMPARISON = Panel(
+    "sweep comparison",
+    (m.REWARD_MEAN, m.ESS_LAG, m.ratio_key("total", "max_abs_log"), m.ratio_key("lag", "max_abs_log"),
+     m.SYNC_RESYNCS),
+)  # fmt: skip
+DEFAULT_GROUP_BY = ("correction.name",)
+
 WORKSPACES_MISSING = (
     "creating the W&B workspace needs the wandb-workspaces package: pip install wandb-workspaces"
 )
 
 
-def build_workspace(entity: str, project: str, name: str) -> Any:
-    """The `wandb_workspaces` Workspace of `SECTIONS` (not saved).
+def build_workspace(
+    entity: str, project: str, name: str, group_by: tuple[str, ...] = DEFAULT_GROUP_BY
+) -> Any:
+    """The `wandb_workspaces` Workspace of `SECTIONS` plus the sweep comparison (not saved).
 
     wandb-workspaces has no histogram panel type; a `hist` panel becomes a line plot of the key,
     the panel W&B offers for a histogram-valued key.
@@ -123,23 +137,41 @@ def build_workspace(entity: str, project: str, name: str) -> Any:
         )
         for section in SECTIONS
     ]
-    return ws.Workspace(name=name, entity=entity, project=project, sections=sections)
+    comparison: list[Any] = [
+        wr.LinePlot(title=key, x="Step", y=[key], groupby_aggfunc="mean", groupby_rangefunc="stderr")
+        for key in COMPARISON.keys
+    ]
+    sections.append(ws.Section(name=COMPARISON.title, panels=comparison, is_open=True))
+    # W&B stores the run config as {"run": {...}} (rlfw.train.run), so config keys sit under "run.".
+    groupby: list[Any] = [ws.Metric("Group"), *(ws.Config(f"run.{key}") for key in group_by)]
+    return ws.Workspace(
+        name=name,
+        entity=entity,
+        project=project,
+        sections=sections,
+        runset_settings=ws.RunsetSettings(groupby=groupby),
+    )
 
 
-def create_workspace(entity: str, project: str, name: str = "rlfw: training-inference mismatch") -> str:
+def create_workspace(
+    entity: str,
+    project: str,
+    name: str = "rlfw: training-inference mismatch",
+    group_by: tuple[str, ...] = DEFAULT_GROUP_BY,
+) -> str:
     """Save the workspace to W&B (online, logged in) and return its URL."""
-    workspace = build_workspace(entity, project, name)
+    workspace = build_workspace(entity, project, name, group_by)
     workspace.save()
     return str(workspace.url)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m rlfw.logging.dashboard ENTITY PROJECT", file=sys.stderr)
+    if len(args) < 2:
+        print("usage: python -m rlfw.logging.dashboard ENTITY PROJECT [CONFIG_KEY ...]", file=sys.stderr)
         return 2
     try:
-        print(create_workspace(args[0], args[1]))
+        print(create_workspace(args[0], args[1], group_by=tuple(args[2:]) or DEFAULT_GROUP_BY))
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 1

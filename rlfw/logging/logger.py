@@ -49,6 +49,7 @@ class RunLogger:
         run_name: str | None = None,
         config_dict: dict[str, Any] | None = None,
         resume_from_step: int | None = None,
+        group: str | None = None,
     ):
         mode = check_mode(wandb_mode)
         self.run_dir = Path(run_dir)
@@ -57,7 +58,7 @@ class RunLogger:
         self.last_step = prepare_metrics_file(self.path, resume_from_step)
         self._wandb: WandbSink | None = None
         if wandb_enabled and mode != "disabled":  # first, so a failing W&B start leaves nothing open
-            self._wandb = start_wandb(self.run_dir, mode, project, run_name, config_dict or {})
+            self._wandb = start_wandb(self.run_dir, mode, project, run_name, config_dict or {}, group)
         self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:

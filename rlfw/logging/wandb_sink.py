@@ -94,9 +94,14 @@ class WandbSink:
 
 
 def start_wandb(
-    run_dir: Path, mode: WandbMode, project: str, name: str | None, config: dict[str, Any]
+    run_dir: Path,
+    mode: WandbMode,
+    project: str,
+    name: str | None,
+    config: dict[str, Any],
+    group: str | None = None,
 ) -> WandbSink:
-    """Start (or resume, same id) the W&B run of `run_dir`."""
+    """Start (or resume, same id) the W&B run of `run_dir`; `group` joins the runs of one sweep."""
     import wandb
 
     # console="off": stdout stays the caller's (Ray and pytest capture it); metrics.jsonl is the log.
@@ -105,6 +110,7 @@ def start_wandb(
         mode=mode,
         project=project,
         name=name,
+        group=group,
         config=config,
         id=run_id(run_dir),
         resume="allow",

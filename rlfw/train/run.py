@@ -56,7 +56,9 @@ def train(run: RunConfig) -> int:
             ray.shutdown()
         raise
     rollout = RolloutGroup(rollout_pool, setup.model, run.engine, setup.stop_ids, setup.contract.hash)
-    trainer = TrainerGroup(trainer_pool, setup.model, optim_config(run), step_spec(run, setup))
+    trainer = TrainerGroup(
+        trainer_pool, setup.model, optim_config(run), step_spec(run, setup), run.trainer.cpu_threads
+    )
     weights = EngineWeights(make_sync(run.sync.transport), trainer, rollout, setup.contract.hash)
     state = (
         restore(run_dir, trainer, weights)
@@ -72,6 +74,7 @@ def train(run: RunConfig) -> int:
         {"run": asdict(run)},
         # resuming: rewrite from the next step; starting afresh in a used folder: drop its old rows
         resume_from_step=state.step + 1 if folder.resuming else (0 if run.resume else None),
+        group=run.logger.group,
     )
     driver = Driver(run, setup, rollout, trainer, weights, logger, run_dir, state)
     code = 0

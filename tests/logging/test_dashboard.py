@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -55,28 +53,20 @@ def test_missing_package_names_the_install(monkeypatch: pytest.MonkeyPatch) -> N
         build_workspace("entity", "project", "name")
 
 
-class Recorded:
-    """Stands in for a wandb_workspaces class: keeps its keyword arguments as attributes."""
+def test_the_real_workspace_mirrors_the_sections_and_adds_the_sweep_comparison() -> None:
+    """Built with the installed wandb-workspaces and converted to the model W&B saves (no network)."""
+    from rlfw.logging.dashboard import COMPARISON
 
-    def __init__(self, **kwargs: Any) -> None:
-        self.__dict__.update(kwargs)
-
-
-def test_workspace_mirrors_the_sections(monkeypatch: pytest.MonkeyPatch) -> None:
-    workspaces = SimpleNamespace(Section=Recorded, Workspace=Recorded)
-    reports = SimpleNamespace(v2=SimpleNamespace(LinePlot=Recorded))
-    package = SimpleNamespace(reports=reports, workspaces=workspaces)
-    for name, module in [
-        ("wandb_workspaces", package),
-        ("wandb_workspaces.reports", reports),
-        ("wandb_workspaces.reports.v2", reports.v2),
-        ("wandb_workspaces.workspaces", workspaces),
-    ]:
-        monkeypatch.setitem(sys.modules, name, module)
-    ws = build_workspace("ent", "proj", "rlfw")
+    ws = build_workspace("ent", "proj", "rlfw", group_by=("correction.name", "sync.mode"))
     assert (ws.entity, ws.project, ws.name) == ("ent", "proj", "rlfw")
-    assert [s.name for s in ws.sections] == [s.title for s in SECTIONS]
-    for got, section in zip(ws.sections, SECTIONS, strict=True):
+    assert [s.name for s in ws.sections] == [s.title for s in SECTIONS] + [COMPARISON.title]
+    for got, section in zip(ws.sections, SECTIONS, strict=False):
         assert [(p.title, p.x, p.y) for p in got.panels] == [
             (p.title, "Step", list(p.keys)) for p in section.panels
         ]
+    comparison = ws.sections[-1].panels
+    assert [p.y for p in comparison] == [[k] for k in COMPARISON.keys]
+    assert {(p.groupby_aggfunc, p.groupby_rangefunc) for p in comparison} == {("mean", "stderr")}
+    names = [g.name for g in ws.runset_settings.groupby]
+    assert names == ["Group", "run.correction.name", "run.sync.mode"]
+    assert ws._to_model() is not None  # what save() uploads: validates every panel

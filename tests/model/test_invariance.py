@@ -139,3 +139,54 @@ def test_default_kernels_break_prefill_decode_parity() -> None:
         cache = model.new_cache(num_slots=2, capacity=48)
         steps = [model(ids[:, t : t + 1], cache=cache) for t in range(40)]
     assert not same_bits(torch.cat(steps, dim=1), full)
+
+
+def _at_threads(threads: int, fn):  # noqa: ANN001, ANN202 - a thunk and its result
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_bits_do_not_depend_on_the_thread_count(preset: str, dtype: torch.dtype) -> None:
+    """``engine.cpu_threads`` / ``trainer.cpu_threads`` stay out of the contract hash because of this:
+    the shapes the engine and trainer run (one row, decode batches, long prefills) give the same bits on
+    one thread and on several. (Gradients are not a claimed pair: fp32 weight gradients do depend on the
+    thread count.)"""
+    model = _model(preset, dtype)
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randint(4, 96, shape, generator=gen) for shape in [(1, 1), (1, 40), (3, 17), (64, 1)]]
+    one, many = (_at_threads(t, lambda: [model(ids) for ids in inputs]) for t in (1, 4))
+    for ids, a, b in zip(inputs, one, many, strict=True):
+        assert same_bits(a, b), tuple(ids.shape)
+
+
+def test_row_ops_on_wide_rows_do_not_depend_on_the_thread_count() -> None:
+    """A lone row of 32768+ elements is where torch splits a reduction across threads (the default ops
+    differ here on the RMSNorm of a 70,000-wide row); the invariant ops must not."""
+    from kernels.registry import get_ops
+
+    ops = get_ops("invariant")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 151_936, generator=gen) * 3  # Qwen3's vocabulary
+    x, w = torch.randn(1, 70_000, generator=gen), torch.randn(70_000, generator=gen)
+    h, weight = torch.randn(2, 4096, generator=gen), torch.randn(512, 4096, generator=gen)
+    rows, square = torch.randn(300, 512, generator=gen), torch.randn(1536, 512, generator=gen)
+
+    def run() -> list[torch.Tensor]:
+        return [
+            ops.log_softmax(logits),
+            ops.token_logp(logits, torch.tensor([5])),
+            ops.rms_norm(x, w, 1e-6),
+            ops.linear(h, weight),
+            ops.linear(rows, square),
+        ]
+
+    names = ["log_softmax", "token_logp", "rms_norm", "linear (few rows)", "linear (many rows)"]
+    for name, a, b in zip(names, _at_threads(1, run), _at_threads(4, run), strict=True):
+        assert same_bits(a, b), name

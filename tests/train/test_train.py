@@ -227,3 +227,25 @@ def test_config_errors_fail_fast_and_name_the_key(tmp_path: Path, overrides: lis
     assert run.returncode == 2
     assert message in run.log
     assert "Traceback" not in run.log
+
+
+@pytest.mark.slow
+def test_the_shipped_workspace_panels_name_keys_the_run_logs(default_run: Run) -> None:
+    """The W&B workspace (built with the installed wandb-workspaces) against a real run's keys: every
+    key a step must carry is on some panel and logged, and a panel key the run did not log is one the
+    metrics module declares optional (a correction's fractions, async, MoE, the critic)."""
+    from rlfw.logging import metrics as m
+    from rlfw.logging.dashboard import build_workspace
+
+    logged = {key for row in default_run.metrics() for key in row}
+    workspace = build_workspace("entity", "project", "rlfw")
+    on_panels = {key for section in workspace.sections for panel in section.panels for key in panel.y}
+    required = set(m.required_keys(moe=False))
+    assert required <= logged and required <= on_panels, (required - logged, required - on_panels)
+    optional = set(m.known_keys()) - required
+    for section in workspace.sections:
+        for panel in section.panels:
+            missing = set(panel.y) - logged
+            assert missing <= optional, (section.name, panel.title, missing)
+    comparison = workspace.sections[-1]
+    assert {key for panel in comparison.panels for key in panel.y} <= logged
