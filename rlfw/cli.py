@@ -15,10 +15,11 @@ verbs:
           ... --cfg job                    print the composed config and exit
   train   -m KEY=A,B [KEY2=X,Y ...]        a sweep: one run per combination, in one sweep folder
           [launcher=local|submitit_slurm|submitit_local]
+  train   --config-dir DIR recipe=NAME     your own recipe (DIR/NAME.yaml) over rlfw's configs/
   audit   [model.path=DIR] [key=value ...] the validation ladder on one checkpoint, as JSON
   report  RUN_DIR                          render per-factor plots from a run's metrics.jsonl
   report  SWEEP_DIR | RUN_DIR RUN_DIR ...  one interactive page comparing runs, grouped by what
-          [--out FILE]                     differs between them (seeds pooled, 95% bands)
+          [--out FILE]                     differs between them (seeds pooled, 95%% bands)
 """
 
 
@@ -89,8 +90,27 @@ def cmd_report(args: list[str]) -> int:
 VERBS = {"train": cmd_train, "audit": cmd_audit, "report": cmd_report}
 
 
+def config_options() -> str:
+    """The config groups and their options (``GROUP=OPTION``) and the shipped recipes, for ``--help``."""
+    from rlfw.compose import available_recipes, project_root
+
+    lines = ["config groups (GROUP=OPTION; every field: rlfw train --cfg job, documented in rlfw/config.py):"]
+    for folder in sorted(p for p in (project_root() / "configs").iterdir() if p.is_dir()):
+        options = sorted(f.stem for f in folder.glob("*.yaml"))
+        if options:
+            lines.append(f"  {folder.name:<11} {' | '.join(options)}")
+    lines.append(f"recipes (recipe=NAME): {', '.join(available_recipes())}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlfw", usage=USAGE, add_help=True)
+    parser = argparse.ArgumentParser(
+        prog="rlfw",
+        usage=USAGE,
+        add_help=True,
+        epilog=config_options(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("verb", choices=sorted(VERBS))
     parser.add_argument("rest", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)

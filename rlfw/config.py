@@ -257,6 +257,8 @@ class TaskConfig:
     max_operand: int = 20  # arithmetic: operands are drawn from [0, max_operand]
     warm_start_steps: int = 0  # supervised steps on demonstrations before RL (cached); 0 skips
     warm_start_lr: float = 3e-3  # learning rate of the warm start
+    eval_path: str | None = None  # dataset: held-out rows for evaluation (file, folder or glob)
+    eval_fraction: float = 0.0  # dataset: else hold out this share of data_path's rows (fixed choice)
 
     def __post_init__(self) -> None:
         check_choice("task.name", self.name, ("arithmetic", "gsm8k", "dataset"))
@@ -265,6 +267,9 @@ class TaskConfig:
         check_range("task.warm_start_lr", self.warm_start_lr, lo=0.0)
         check_range("task.reward_workers", self.reward_workers, lo=0)
         check_range("task.reward_timeout_s", self.reward_timeout_s, lo=1e-3)
+        check_range("task.eval_fraction", self.eval_fraction, lo=0.0, hi=0.9)
+        if self.eval_path and self.eval_fraction > 0:
+            raise ConfigError("task.eval_path and task.eval_fraction both set; hold out one way: pick one")
         if self.name == "gsm8k" and not self.data_path:
             raise ConfigError("task=gsm8k reads a local JSONL file: pass task.data_path=/path/to/gsm8k.jsonl")
         if self.name == "dataset" and not self.data_path:
@@ -273,6 +278,22 @@ class TaskConfig:
             raise ConfigError(
                 "task=dataset needs a reward: task.reward=package.module:function (or path/file.py:function)"
             )
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on held-out prompts during training (the task's split; see TaskConfig.eval_*)."""
+
+    every: int = 0  # evaluate after every this many steps (and after the last); 0 = never
+    prompts: int = 32  # held-out prompts per evaluation (the same ones every time)
+    samples: int = 4  # samples per prompt, at the engine's sampler settings: eval/pass@k uses k = this
+    pass_threshold: float = 0.5  # a sample passes when its reward is at least this
+
+    def __post_init__(self) -> None:
+        check_range("eval.every", self.every, lo=0)
+        check_range("eval.prompts", self.prompts, lo=1)
+        check_range("eval.samples", self.samples, lo=1, hi=64)
+        check_range("eval.pass_threshold", self.pass_threshold, lo=0.0)
 
 
 @dataclass
@@ -315,6 +336,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
@@ -342,6 +364,7 @@ GROUPS: dict[str, type] = {
     "sync": SyncConfig,
     "logger": LoggerConfig,
     "task": TaskConfig,
+    "eval": EvalConfig,
     "launcher": LauncherConfig,
 }
 

@@ -93,6 +93,7 @@ RUN_SECTION = Section(
     slug="run",
     panels=(
         Panel("reward", (m.REWARD_MEAN, m.REWARD_STD)),
+        Panel("evaluation (held-out prompts)", (m.EVAL_REWARD_MEAN, m.EVAL_PASS_AT_1, m.EVAL_PASS_AT_K)),
         Panel("loss", (m.LOSS_POLICY, m.LOSS_VALUE)),
         Panel("grad norm", (m.GRAD_NORM,)),
         Panel("tokens / s", (m.THROUGHPUT_TOKENS_PER_S,)),
@@ -106,8 +107,8 @@ SECTIONS: tuple[Section, ...] = (*(ratio_section(r) for r in m.RATIOS), SYNC_SEC
 
 COMPARISON = Panel(
     "sweep comparison",
-    (m.REWARD_MEAN, m.ESS_LAG, m.ratio_key("total", "max_abs_log"), m.ratio_key("lag", "max_abs_log"),
-     m.SYNC_RESYNCS),
+    (m.REWARD_MEAN, m.EVAL_PASS_AT_K, m.ESS_LAG, m.ratio_key("total", "max_abs_log"),
+     m.ratio_key("lag", "max_abs_log"), m.SYNC_RESYNCS),
 )  # fmt: skip
 DEFAULT_GROUP_BY = ("correction.name",)
 

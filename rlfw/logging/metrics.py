@@ -90,6 +90,14 @@ MEMORY_TRAINER_PEAK_RSS_MB = "memory/trainer_peak_rss_mb"
 MEMORY_KEYS: tuple[str, ...] = (MEMORY_ROLLOUT_PEAK_RSS_MB, MEMORY_TRAINER_PEAK_RSS_MB)
 """Peak resident memory of the largest engine actor and trainer rank so far (MiB), logged every step."""
 
+# Evaluation on held-out prompts (rlfw.train.evaluate), on the steps `eval.every` names.
+EVAL_REWARD_MEAN = "eval/reward_mean"
+EVAL_PASS_AT_1 = "eval/pass@1"
+EVAL_PASS_AT_K = "eval/pass@k"
+EVAL_K = "eval/k"
+EVAL_FAILED = "eval/failed"
+EVAL_KEYS = (EVAL_REWARD_MEAN, EVAL_PASS_AT_1, EVAL_PASS_AT_K, EVAL_K, EVAL_FAILED)
+
 OPTIONAL_RUN_KEYS: tuple[str, ...] = (
     REWARD_STD,
     LOSS_VALUE,
@@ -99,6 +107,7 @@ OPTIONAL_RUN_KEYS: tuple[str, ...] = (
     TIME_TRAIN,
     TIME_SYNC,
     *MEMORY_KEYS,
+    *EVAL_KEYS,
 )
 
 

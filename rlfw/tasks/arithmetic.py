@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from rlfw.tasks.base import Problem
+from rlfw.tasks.base import Problem, fixed_eval_problems
 
 
 @dataclass
@@ -29,3 +29,6 @@ class Arithmetic:
 
     def demonstrations(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
         return [(p.prompt, p.answer) for p in self.sample(n, rng)]
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        return fixed_eval_problems(self, n)

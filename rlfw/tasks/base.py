@@ -32,3 +32,16 @@ class Task(Protocol):
     def demonstrations(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
         """``(prompt, ideal response)`` pairs for a supervised warm start."""
         ...
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        """The same ``n`` problems at every evaluation (a held-out split where the task has one)."""
+        ...
+
+
+EVAL_SEED = "eval"
+
+
+def fixed_eval_problems(task: Task, n: int) -> list[Problem]:
+    """For tasks without a split (generated problems, one file): ``n`` problems drawn with a fixed seed
+    of their own, the same at every evaluation (they may also occur in training)."""
+    return task.sample(n, random.Random(EVAL_SEED))

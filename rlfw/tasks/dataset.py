@@ -76,25 +76,54 @@ class DatasetTask:
     render: Any = None  # prompt -> text (the chat template); None: the prompt field as it is
     pool: RewardPool | None = None  # reward calls in worker processes with a timeout; None: in this one
     name: str = "dataset"
-    problems: list[Problem] = field(init=False)
-    fields: list[dict[str, Any]] = field(init=False)
+    eval_rows: list[dict[str, Any]] | None = None  # a held-out split (task.eval_path)
+    eval_fraction: float = 0.0  # or hold out this share of `rows` (a fixed, seeded choice)
+    problems: list[Problem] = field(init=False)  # what training samples from
+    held_out: list[Problem] = field(init=False)  # what evaluation prompts with
+    fields: list[dict[str, Any]] = field(init=False)  # every row's other fields, by problem uid
 
     def __post_init__(self) -> None:
         if not self.rewards:
             raise DatasetError("task=dataset needs a reward: set task.reward=module:function or task.rewards")
-        self.problems, self.fields = [], []
-        for i, row in enumerate(self.rows):
-            if self.prompt_key not in row:
-                raise DatasetError(
-                    f"{self.source}: row {i} has no field {self.prompt_key!r} (fields: {sorted(row)}); "
-                    "set task.prompt_key to the prompt's field"
-                )
-            prompt = self._text(row[self.prompt_key], i)
-            answer = row.get(self.answer_key)
-            self.problems.append(Problem(uid=i, prompt=prompt, answer="" if answer is None else str(answer)))
-            self.fields.append({k: v for k, v in row.items() if k != self.prompt_key})
+        self.fields = []
+        self.problems = [self._problem(row, i) for i, row in enumerate(self.rows)]
         if not self.problems:
             raise DatasetError(f"{self.source} holds no rows")
+        if self.eval_rows is not None:
+            start = len(self.problems)
+            self.held_out = [self._problem(row, start + i) for i, row in enumerate(self.eval_rows)]
+        elif self.eval_fraction > 0:
+            count = round(self.eval_fraction * len(self.problems))
+            if not 0 < count < len(self.problems):
+                raise DatasetError(
+                    f"task.eval_fraction={self.eval_fraction} of {len(self.problems)} rows leaves "
+                    f"{count} for evaluation and {len(self.problems) - count} for training; both need rows"
+                )
+            chosen = set(random.Random(0).sample(range(len(self.problems)), count))
+            self.held_out = [p for p in self.problems if p.uid in chosen]
+            self.problems = [p for p in self.problems if p.uid not in chosen]
+        else:
+            self.held_out = []
+
+    def _problem(self, row: dict[str, Any], uid: int) -> Problem:
+        if self.prompt_key not in row:
+            raise DatasetError(
+                f"{self.source}: row {uid} has no field {self.prompt_key!r} (fields: {sorted(row)}); "
+                "set task.prompt_key to the prompt's field"
+            )
+        prompt = self._text(row[self.prompt_key], uid)
+        answer = row.get(self.answer_key)
+        self.fields.append({k: v for k, v in row.items() if k != self.prompt_key})
+        return Problem(uid=uid, prompt=prompt, answer="" if answer is None else str(answer))
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        """The first ``n`` held-out problems (task.eval_path or task.eval_fraction)."""
+        if not self.held_out:
+            raise DatasetError(
+                "eval.every > 0 with task=dataset needs a held-out split: task.eval_path=FILE or "
+                "task.eval_fraction=0.1"
+            )
+        return self.held_out[:n]
 
     def _text(self, prompt: Any, i: int) -> str:
         if self.render is not None:
@@ -110,12 +139,13 @@ class DatasetTask:
         """Drop the problems whose prompt has more than ``max_tokens`` tokens (the engine could not give
         them a response); returns how many were dropped. Nothing is truncated."""
         kept = [p for p in self.problems if count_tokens(p.prompt) <= max_tokens]
-        dropped = len(self.problems) - len(kept)
+        held_out = [p for p in self.held_out if count_tokens(p.prompt) <= max_tokens]
+        dropped = len(self.problems) + len(self.held_out) - len(kept) - len(held_out)
         if not kept:
             raise DatasetError(
                 f"{self.source}: every prompt is longer than {max_tokens} tokens; raise engine.max_model_len"
             )
-        self.problems = kept
+        self.problems, self.held_out = kept, held_out
         return dropped
 
     def sample(self, n: int, rng: random.Random) -> list[Problem]:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlfw.tasks.base import Problem
+from rlfw.tasks.base import Problem, fixed_eval_problems
 
 PROMPT = "Question: {question}\nAnswer step by step, then give the final number after '####'.\nAnswer:"
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
@@ -84,3 +84,6 @@ class GSM8K:
 
     def demonstrations(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
         return [(p.prompt, f" #### {float(p.answer):g}") for p in self.sample(n, rng)]
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        return fixed_eval_problems(self, n)

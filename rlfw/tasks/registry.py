@@ -28,6 +28,8 @@ def build_task(
     tokenizer: Any = None,
     reward_workers: int = 0,
     reward_timeout_s: float = 60.0,
+    eval_path: str | None = None,
+    eval_fraction: float = 0.0,
 ) -> Task:
     """The task ``task.*`` describes; ``tokenizer`` renders chat templates (``task.chat_template``);
     ``reward_workers > 0`` runs the reward calls in that many processes, each call within
@@ -45,5 +47,16 @@ def build_task(
         render = chat_renderer(tokenizer, system_prompt) if chat_template else None
         specs = [(f.ref, f.weight, f.name) for f in fns]
         pool = RewardPool(specs, reward_workers, reward_timeout_s) if reward_workers > 0 else None
-        return DatasetTask(read_rows(data_path), fns, prompt_key, answer_key, data_path, render, pool)
+        eval_rows = read_rows(eval_path) if eval_path else None
+        return DatasetTask(
+            read_rows(data_path),
+            fns,
+            prompt_key,
+            answer_key,
+            data_path,
+            render,
+            pool,
+            eval_rows=eval_rows,
+            eval_fraction=eval_fraction,
+        )
     raise ValueError(f"task.name={name!r} is not a task; choose one of: {', '.join(TASKS)}")

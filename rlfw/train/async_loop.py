@@ -30,6 +30,7 @@ from rlfw.logging.metrics import lag_ess_key
 from rlfw.logging.progress import progress
 from rlfw.tasks.base import Problem
 from rlfw.train.checkpoint import checkpoint_folder
+from rlfw.train.evaluate import eval_due, evaluate
 from rlfw.train.phases import Driver, step_prompts, train_on
 from rlfw.train.report import StepTimes, decode_kv_staleness, step_report, time_metrics, trainer_numerics
 from rlfw.train.schedule import SyncClock, pipeline_depth, spans_versions
@@ -135,6 +136,8 @@ def async_steps(d: Driver) -> None:
             steps_since_sync=clock.steps_since_sync,
         )
         d.weights.keep_only(d.state)
+        if eval_due(run.eval.every, run.trainer.steps, step):
+            metrics |= evaluate(d)  # waits for the generation in flight; runs at the engines' version
         d.logger.log(step, metrics)
         log.info("step %d reward %.3f time %.2fs", step, metrics["reward/mean"], times.total)
         d.checkpoint_if_due(step)

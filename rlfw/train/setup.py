@@ -71,9 +71,11 @@ def build_setup(run: RunConfig, run_dir: Path) -> Setup:
         tokenizer=tok,
         reward_workers=t.reward_workers,
         reward_timeout_s=t.reward_timeout_s,
+        eval_path=t.eval_path,
+        eval_fraction=t.eval_fraction,
     )
     if isinstance(task, DatasetTask):  # a prompt needs room for at least one response token
-        total = len(task.problems)
+        total = len(task.problems) + len(task.held_out)
         dropped = task.drop_long_prompts(
             lambda text: len(tok(text, add_special_tokens=False).input_ids), run.engine.max_model_len - 1
         )
@@ -85,10 +87,14 @@ def build_setup(run: RunConfig, run_dir: Path) -> Setup:
                 total,
                 run.engine.max_model_len - 1,
             )
+    if run.eval.every > 0:
+        task.eval_problems(run.eval.prompts)  # refuses a task=dataset without a held-out split, up front
     if run.task.warm_start_steps > 0:
+        t = run.task
         ws = WarmStart(
             str(run.model.path or run.model.preset),
-            f"{task.name}(max_operand={run.task.max_operand}, data_path={run.task.data_path})",
+            f"{task.name}(max_operand={t.max_operand}, data_path={t.data_path}, eval_path={t.eval_path}, "
+            f"eval_fraction={t.eval_fraction})",
             run.task.warm_start_steps,
             run.task.warm_start_lr,
             32,

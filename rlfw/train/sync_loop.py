@@ -6,6 +6,7 @@ import logging
 import time
 
 from rlfw.logging.progress import progress
+from rlfw.train.evaluate import eval_due, evaluate
 from rlfw.train.phases import Driver, step_prompts, train_on
 from rlfw.train.report import StepTimes, step_report
 from rlfw.train.state import RunState
@@ -37,6 +38,8 @@ def sync_steps(d: Driver) -> None:
             "sync/engine_restarts": float(d.rollout.restarts),
             "sync/engine_version": float(max(s.final_version for s in samples)),  # as the engines recorded it
         }
+        if eval_due(run.eval.every, run.trainer.steps, step):
+            metrics |= evaluate(d)
         d.logger.log(step, metrics)
         log.info("step %d reward %.3f time %.2fs", step, metrics["reward/mean"], times.total)
         d.checkpoint_if_due(step)

@@ -208,3 +208,32 @@ def test_prompts_the_engine_cannot_answer_are_dropped_and_counted_not_truncated(
         DatasetError, match="every prompt is longer than 2 tokens; raise engine.max_model_len"
     ):
         task.drop_long_prompts(len, 2)
+
+
+def test_a_held_out_split_from_a_file_or_a_fraction_is_never_trained_on(tmp_path: Path) -> None:
+    data = _write(tmp_path / "train", "jsonl")
+    held = tmp_path / "eval.jsonl"
+    held.write_text(
+        "".join(json.dumps({"prompt": f"double {n}:", "answer": str(2 * n)}) + "\n" for n in (7, 8))
+    )
+    by_file = _task(str(data), eval_path=str(held))
+    assert [p.prompt for p in by_file.eval_problems(5)] == ["double 7:", "double 8:"]
+    assert len(by_file.problems) == 5
+    assert score(by_file, by_file.eval_problems(1), ["14"]).rewards == [1.0]  # its fields reach the reward
+    by_fraction = _task(str(data), eval_fraction=0.4)
+    held_out = {p.prompt for p in by_fraction.eval_problems(10)}
+    assert len(held_out) == 2 and not held_out & {p.prompt for p in by_fraction.problems}
+    assert held_out == {p.prompt for p in _task(str(data), eval_fraction=0.4).eval_problems(10)}  # fixed
+    sampled = {p.prompt for p in by_fraction.sample(200, random.Random(0))}
+    assert not sampled & held_out
+
+
+def test_evaluation_without_a_split_is_refused_with_the_fix(tmp_path: Path) -> None:
+    task = _task(str(_write(tmp_path, "jsonl")))
+    with pytest.raises(DatasetError, match="task.eval_path=FILE or task.eval_fraction"):
+        task.eval_problems(4)
+    with pytest.raises(DatasetError, match="both need rows"):
+        _task(str(_write(tmp_path, "jsonl")), eval_fraction=0.05)
+    with pytest.raises(ConfigError, match="pick one"):
+        load_config(["task=dataset", "task.data_path=x", f"task.reward={EXACT}", "task.eval_path=y",
+                     "task.eval_fraction=0.1"])  # fmt: skip

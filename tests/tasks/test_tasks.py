@@ -120,3 +120,22 @@ def test_gsm8k_bad_rows_and_encodings_are_named(tmp_path: Path, content: bytes, 
     bad.write_bytes(content)
     with pytest.raises(DatasetError, match=message):
         GSM8K(str(bad))
+
+
+def test_pass_at_k_is_the_unbiased_estimator_and_eval_steps_include_the_last() -> None:
+    from math import comb
+
+    from rlfw.train.evaluate import eval_due, pass_at_k
+
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(5, 2, 2) == 1 - comb(3, 2) / comb(5, 2)
+    assert pass_at_k(4, 1, 4) == 1.0  # any pass among 4 of 4 samples
+    assert [s for s in range(10) if eval_due(4, 10, s)] == [3, 7, 9]
+    assert not any(eval_due(0, 10, s) for s in range(10))
+
+
+def test_generated_tasks_evaluate_on_the_same_fixed_problems() -> None:
+    from rlfw.tasks import build_task
+
+    task = build_task("arithmetic", max_operand=9)
+    assert task.eval_problems(8) == task.eval_problems(8) and len(task.eval_problems(8)) == 8

@@ -63,11 +63,16 @@ def test_the_bring_your_own_task_example_learns(root: Path) -> None:
         f"task.data_path={example / 'data.jsonl'}",
         f"task.reward={example / 'reward.py'}:reward",
         "logger.wandb=false",
+        "task.eval_fraction=0.2",
+        "eval.every=10",
         timeout=900,
     )
     assert run.returncode == 0, run.log[-3000:]
     rows = run.metrics()
     assert len(rows) == 30 and all("reward/reward" in r for r in rows)
+    evaluated = [r for r in rows if "eval/pass@k" in r]
+    assert [r["step"] for r in evaluated] == [9, 19, 29]
+    assert all(0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1 and r["eval/k"] == 4 for r in evaluated)
     rewards = [r["reward/mean"] for r in rows]
     first, last = statistics.mean(rewards[:8]), statistics.mean(rewards[-8:])
     assert last > first + 0.05, (first, last)
