@@ -20,8 +20,13 @@ DEFAULT_RECIPE = "default"
 
 
 def project_root() -> Path:
-    """Where ``configs/`` and ``recipes/`` live: ``$RLFW_HOME`` or the source checkout."""
-    return Path(os.environ.get("RLFW_HOME", Path(__file__).resolve().parents[1]))
+    """Where ``configs/`` and ``recipes/`` live: ``$RLFW_HOME``, else the source checkout, else the
+    installed package (a wheel ships them as ``rlfw/configs`` and ``rlfw/recipes``)."""
+    if "RLFW_HOME" in os.environ:
+        return Path(os.environ["RLFW_HOME"])
+    package = Path(__file__).resolve().parent
+    checkout = package.parent
+    return checkout if (checkout / "configs" / "config.yaml").is_file() else package
 
 
 def available_recipes() -> list[str]:

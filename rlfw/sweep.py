@@ -57,9 +57,9 @@ class Sweep:
         """What ``rlfw train`` runs for ``job``: its overrides, placed in the sweep folder and W&B group."""
         return [
             *job.overrides,
-            f"logger.run_root={self.folder}",
-            f"logger.run_name={job.name}",
-            f"logger.group={self.group}",
+            f"logger.run_root={quote(str(self.folder))}",
+            f"logger.run_name={quote(job.name)}",
+            f"logger.group={quote(self.group)}",
         ]
 
     def save(self) -> None:
@@ -73,6 +73,11 @@ class Sweep:
         tmp = self.folder / f".{SWEEP_FILE}.tmp"
         tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, self.folder / SWEEP_FILE)
+
+
+def quote(value: str) -> str:
+    """``value`` as a quoted string of Hydra's override grammar (a job name holds ``=`` and ``,``)."""
+    return "'" + value.replace("'", "\\'") + "'"
 
 
 def is_multirun(args: list[str]) -> bool:

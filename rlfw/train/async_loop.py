@@ -94,7 +94,8 @@ def async_steps(d: Driver) -> None:
     steps = range(d.state.step + 1, run.trainer.steps)
     depth = pipeline_depth(run.sync.max_staleness)
     clock, queue = start(d, steps, depth)
-    for step in progress(steps, desc="rl steps"):
+    bar = progress(steps, desc="rl steps")
+    for step in bar:
         t0 = time.perf_counter()
         flight = queue.popleft() if queue else submit(d, step, clock)
         samples = d.rollout.collect(flight.pending)  # drawn at the engines' version when submitted
@@ -139,5 +140,6 @@ def async_steps(d: Driver) -> None:
         if eval_due(run.eval.every, run.trainer.steps, step):
             metrics |= evaluate(d)  # waits for the generation in flight; runs at the engines' version
         d.logger.log(step, metrics)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", refresh=False)
         log.info("step %d reward %.3f time %.2fs", step, metrics["reward/mean"], times.total)
         d.checkpoint_if_due(step)

@@ -17,7 +17,8 @@ log = logging.getLogger("rlfw.train")
 def sync_steps(d: Driver) -> None:
     """Each line of the loop is one phase of the algorithm; the details live one level down."""
     run = d.run
-    for step in progress(range(d.state.step + 1, run.trainer.steps), desc="rl steps"):
+    bar = progress(range(d.state.step + 1, run.trainer.steps), desc="rl steps")
+    for step in bar:
         state = d.state
         t0 = time.perf_counter()
         problems, request = step_prompts(d, step)
@@ -41,5 +42,6 @@ def sync_steps(d: Driver) -> None:
         if eval_due(run.eval.every, run.trainer.steps, step):
             metrics |= evaluate(d)
         d.logger.log(step, metrics)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", refresh=False)
         log.info("step %d reward %.3f time %.2fs", step, metrics["reward/mean"], times.total)
         d.checkpoint_if_due(step)

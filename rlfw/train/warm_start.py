@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from rlfw.logging.progress import progress
 from rlfw.model import Transformer, save_pretrained
 from rlfw.tasks.base import Task
 
@@ -51,7 +52,7 @@ def warm_start(
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
-    for _ in range(steps):
+    for _ in progress(range(steps), desc="warm start"):
         ids, attention, target = encode_demos(tok, task.demonstrations(batch, rng))
         logp = model.ops.token_logp(model(ids, attention)[:, :-1], ids[:, 1:])
         loss = -(logp * target).sum() / target.sum()
