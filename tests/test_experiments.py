@@ -16,7 +16,7 @@ from rlfw.sweep import SWEEP_FILE
 from tests.train._run import env
 
 QUICK = {  # experiment -> (jobs, groups on the comparison page)
-    "discrepancy_lag_quick": (16, 8),
+    "discrepancy_lag_quick": (8, 8),
     "resync_quick": (6, 3),
     "router_replay_quick": (3, 3),
     "stale_kv_quick": (2, 2),

@@ -27,6 +27,7 @@ from typing import Any
 from rlfw.logging import metrics as m
 from rlfw.logging.dashboard import SECTIONS
 from rlfw.logging.jsonl import METRICS_FILE, MetricsFileError, read_rows
+from rlfw.sweep import short_key
 
 COMPARE_FILE = "compare.html"
 SWEEP_FILE = "sweep.json"
@@ -110,9 +111,7 @@ def collect(paths: list[Path]) -> list[RunData]:
         for job in record["jobs"]:
             folder = paths[0] / job["name"]
             if (folder / METRICS_FILE).is_file() and read_rows(folder / METRICS_FILE):
-                params = {
-                    k.lstrip("+~"): v for k, v in job["params"].items() if k.lstrip("+~") not in SEED_KEYS
-                }
+                params = {short_key(k): v for k, v in job["params"].items() if short_key(k) not in SEED_KEYS}
                 runs.append(RunData(job["name"], folder, params, load_run(folder)))
         if not runs:
             raise MetricsFileError(f"no job of the sweep in {paths[0]} has logged a step yet")
@@ -217,6 +216,12 @@ def wall_clock(run: RunData) -> list[tuple[float, float]]:
     return out
 
 
+def last(run: RunData, key: str) -> float:
+    """The last value a run logged for ``key`` (a running count such as ``sync/resyncs``); NaN if none."""
+    values = list(series(run, key).values())
+    return values[-1] if values else math.nan
+
+
 def first_resync(run: RunData) -> float:
     steps = [s for s, v in series(run, m.SYNC_RESYNCED).items() if v > 0]
     return float(min(steps)) if steps else math.nan
@@ -259,7 +264,7 @@ def summary(groups: list[Group]) -> list[dict[str, Any]]:
             "decode KV staleness (max |log|)": final(m.DECODE_KV_MAX_ABS_LOG),
             "router mismatch frac": final(m.ROUTER_REPLAY_MISMATCH_FRAC),
             "tokens/s": final(m.THROUGHPUT_TOKENS_PER_S),
-            "pushes": final(m.SYNC_RESYNCS),
+            "pushes": mean_ci([last(run, m.SYNC_RESYNCS) for run in group.runs]),
             "first push step": mean_ci([first_resync(run) for run in group.runs]),
         })  # fmt: skip
     return table
