@@ -33,12 +33,12 @@ class RouterTrace:
 
         if not self.own:
             return 0.0
-        own = torch.stack(self.own, dim=2).sort(-1).values
-        differs = (own != self.stacked().sort(-1).values).any(-1)  # [B, T, layers]
-        if mask is None:
-            return float(differs.float().mean().item())
-        keep = mask.bool()[..., None].expand_as(differs)
-        return float(differs[keep].float().mean().item()) if keep.any() else 0.0
+        return set_mismatch_frac(torch.stack(self.own, dim=2), self.stacked(), mask)
+
+    def mismatch_against(self, engine_ids: Tensor, mask: Tensor | None = None) -> float:
+        """Without replay: the fraction of (token, layer) where the experts this forward chose differ
+        from ``engine_ids`` (``[B, T, n_moe_layers, k]``, what the rollout engine chose)."""
+        return set_mismatch_frac(self.stacked(), engine_ids, mask)
 
     def replay_ids(self, moe_index: int) -> Tensor | None:
         return None if self.replay is None else self.replay[:, :, moe_index]
@@ -48,3 +48,13 @@ class RouterTrace:
         import torch
 
         return torch.stack(self.recorded, dim=2)
+
+
+def set_mismatch_frac(a: Tensor, b: Tensor, mask: Tensor | None = None) -> float:
+    """The fraction of (token, layer) whose top-k expert sets differ between ``a`` and ``b``
+    (``[B, T, layers, k]``), over the tokens ``mask [B, T]`` keeps (all when None)."""
+    differs = (a.sort(-1).values != b.sort(-1).values).any(-1)  # [B, T, layers]
+    if mask is None:
+        return float(differs.float().mean().item())
+    keep = mask.bool()[..., None].expand_as(differs)
+    return float(differs[keep].float().mean().item()) if keep.any() else 0.0

@@ -15,7 +15,8 @@ from rlfw.types import TrainBatch
 @dataclass
 class TrainerLogp:
     """``logp [B, L-1]`` of each predicted token; ``topk_logp [B, L-1, K]`` at the sampler's top-k ids
-    (``None`` when not asked for); ``replay_mismatch`` for MoE under R3 (``None`` otherwise)."""
+    (``None`` when not asked for); ``replay_mismatch`` for MoE: the share of (token, layer) whose experts differ
+    from the engine's (under R3: the router's own choice against the replayed one; ``None`` for dense models)."""
 
     logp: Tensor
     topk_logp: Tensor | None
@@ -52,9 +53,12 @@ def trainer_logp(
     logp_all = ops_model.ops.log_softmax(process_logits(logits, t))
     logp = logp_all.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
     topk_logp = logp_all.gather(-1, batch.topk_ids) if topk else None
-    mismatch = (
-        routing.replay_mismatch_frac(batch.attention_mask) if (routing is not None and replay) else None
-    )
+    mismatch = None  # the share of tokens routed differently from the engine (logged for every MoE run)
+    if routing is not None and batch.routed_experts is not None:
+        if replay:
+            mismatch = routing.replay_mismatch_frac(batch.attention_mask)
+        else:
+            mismatch = routing.mismatch_against(batch.routed_experts, batch.attention_mask)
     ent = None
     if entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

@@ -79,3 +79,15 @@ def test_an_expert_id_out_of_range_is_refused_not_clamped() -> None:
         with pytest.raises(ValueError, match=rf"expert id {bad}, outside 0\.\.3"):
             with torch.no_grad():
                 model(_ids(), routing=RouterTrace(replay=ids))
+
+
+def test_without_replay_the_mismatch_compares_the_trainers_choice_with_the_engines() -> None:
+    import torch
+
+    from rlfw.model.routing import RouterTrace
+
+    trace = RouterTrace()
+    trace.recorded = [torch.tensor([[[0, 1], [2, 3], [1, 0]]])]  # one MoE layer, 3 tokens, top-2
+    engine = torch.tensor([[[[1, 0]], [[2, 1]], [[3, 2]]]])  # [B, T, layers, k]: same set, differs, differs
+    assert trace.mismatch_against(engine) == pytest.approx(2 / 3)
+    assert trace.mismatch_against(engine, torch.tensor([[1, 0, 0]])) == 0.0  # only the first token counts
