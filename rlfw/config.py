@@ -288,6 +288,7 @@ class EvalConfig:
     prompts: int = 32  # held-out prompts per evaluation (the same ones every time)
     samples: int = 4  # samples per prompt, at the engine's sampler settings: eval/pass@k uses k = this
     pass_threshold: float = 0.5  # a sample passes when its reward is at least this
+    greedy: bool = True  # also one greedy response per prompt (eval/greedy_reward_mean, eval/greedy_pass)
 
     def __post_init__(self) -> None:
         check_range("eval.every", self.every, lo=0)

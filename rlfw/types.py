@@ -174,6 +174,7 @@ class GenerationRequest:
     n: int = 1  # samples per prompt
     max_new_tokens: int = 32  # response length cap
     seed: int | None = None  # sampling seed of this round; None: the engine's seed
+    greedy: bool = False  # draw the most likely token (after the sampler's transforms) instead of sampling
 
 
 @dataclass

@@ -93,7 +93,10 @@ RUN_SECTION = Section(
     slug="run",
     panels=(
         Panel("reward", (m.REWARD_MEAN, m.REWARD_STD)),
-        Panel("evaluation (held-out prompts)", (m.EVAL_REWARD_MEAN, m.EVAL_PASS_AT_1, m.EVAL_PASS_AT_K)),
+        Panel(
+            "evaluation (held-out prompts)",
+            (m.EVAL_REWARD_MEAN, m.EVAL_PASS_AT_1, m.EVAL_PASS_AT_K, m.EVAL_GREEDY_PASS),
+        ),
         Panel("loss", (m.LOSS_POLICY, m.LOSS_VALUE)),
         Panel("grad norm", (m.GRAD_NORM,)),
         Panel("tokens / s", (m.THROUGHPUT_TOKENS_PER_S,)),

@@ -96,7 +96,17 @@ EVAL_PASS_AT_1 = "eval/pass@1"
 EVAL_PASS_AT_K = "eval/pass@k"
 EVAL_K = "eval/k"
 EVAL_FAILED = "eval/failed"
-EVAL_KEYS = (EVAL_REWARD_MEAN, EVAL_PASS_AT_1, EVAL_PASS_AT_K, EVAL_K, EVAL_FAILED)
+EVAL_GREEDY_REWARD_MEAN = "eval/greedy_reward_mean"
+EVAL_GREEDY_PASS = "eval/greedy_pass"
+EVAL_KEYS = (
+    EVAL_REWARD_MEAN,
+    EVAL_PASS_AT_1,
+    EVAL_PASS_AT_K,
+    EVAL_K,
+    EVAL_FAILED,
+    EVAL_GREEDY_REWARD_MEAN,
+    EVAL_GREEDY_PASS,
+)
 
 OPTIONAL_RUN_KEYS: tuple[str, ...] = (
     REWARD_STD,

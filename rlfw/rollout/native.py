@@ -240,13 +240,17 @@ class NativeEngine:
             seq.record(token, streams.row(i), self._version, self.stop_ids)
 
     def _choose(self, seqs: list[Sequence], sampler_BV: Tensor) -> Tensor:
-        """Forced tokens where given, else a Gumbel-max draw seeded by (seed, sequence, step)."""
+        """Forced tokens where given, the most likely token for greedy requests, else a Gumbel-max draw
+        seeded by (seed, sequence, step)."""
         forced = [s.forced_token() for s in seqs]
         tokens = torch.tensor([0 if f is None else f for f in forced], dtype=torch.long)
-        free = [i for i, s in enumerate(seqs) if s.forced_T is None]
+        free = [i for i, s in enumerate(seqs) if s.forced_T is None and not s.greedy]
         if free:
             seeds = torch.tensor([step_seed(seqs[i].seed, seqs[i].key, len(seqs[i].response)) for i in free])
             tokens[free] = draw(sampler_BV[free], seeds).cpu()
+        greedy = [i for i, s in enumerate(seqs) if s.forced_T is None and s.greedy]
+        if greedy:  # ties go to the lowest id, as torch.argmax breaks them
+            tokens[greedy] = torch.argmax(sampler_BV[greedy], dim=-1).cpu()
         return tokens.to(sampler_BV.device)
 
     # -- retiring --------------------------------------------------------------------------------------

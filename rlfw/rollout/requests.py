@@ -70,5 +70,5 @@ def expand_request(
                     f"prompt {prompt_id} ({prompt.shape[0]} tokens) with its forced response "
                     f"({f.shape[0]} tokens) exceeds max_model_len={max_model_len}"
                 )
-            sequences.append(Sequence(prompt_id, i, group, max_len, seed, forced_T=f))
+            sequences.append(Sequence(prompt_id, i, group, max_len, seed, forced_T=f, greedy=request.greedy))
     return sequences

@@ -34,6 +34,7 @@ class Sequence:
     max_len: int  # response cap: min(max_new_tokens, max_model_len - P)
     seed: int
     forced_T: Tensor | None = None  # teacher-forced response (audit), decoded exactly
+    greedy: bool = False  # the most likely token instead of a draw (evaluation)
     slot: int = -1
     kv_oldest: int | None = None  # oldest weight version among the entries in its slot
     prompt_kv_version: int | None = None  # version of the prefill that wrote the prompt's rows

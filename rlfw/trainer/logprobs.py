@@ -15,8 +15,9 @@ from rlfw.types import TrainBatch
 @dataclass
 class TrainerLogp:
     """``logp [B, L-1]`` of each predicted token; ``topk_logp [B, L-1, K]`` at the sampler's top-k ids
-    (``None`` when not asked for); ``replay_mismatch`` for MoE: the share of (token, layer) whose experts differ
-    from the engine's (under R3: the router's own choice against the replayed one; ``None`` for dense models)."""
+    (``None`` when not asked for); ``replay_mismatch`` for MoE: the share of (token, layer) whose experts
+    differ from the engine's (under R3: the router's own choice against the replayed one; ``None`` for
+    dense models)."""
 
     logp: Tensor
     topk_logp: Tensor | None

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import pytest
 import torch
 
 from rlfw.model.distribution import Transforms, process_logits
+from rlfw.types import Sample
 from tests.rollout._helpers import VOCAB, engine, model, request
 
 CASES = [
@@ -51,3 +55,24 @@ def test_temperature_changes_the_recorded_distribution() -> None:
     expected = torch.log_softmax(logits / 2.0, dim=-1)[torch.arange(3), hot.response_T]
     torch.testing.assert_close(hot.sampler_logp, expected, rtol=0, atol=1e-6)
     assert not torch.allclose(hot.sampler_logp, raw.sampler_logp)
+
+
+def _greedy_tokens(m: Any, s: Sample, transforms: Transforms) -> torch.Tensor:
+    with torch.no_grad():
+        logits = m(s.tokens[None])[0, s.prompt_P.shape[0] - 1 : -1]
+    return process_logits(logits, transforms).argmax(-1)
+
+
+def test_a_greedy_request_takes_the_most_likely_token_whatever_the_seed() -> None:
+    """Evaluation's greedy responses: every token is the argmax of the processed distribution at its
+    position, and the seed does not matter."""
+    m = model("tiny_dense")
+    transforms = Transforms(temperature=1.5, top_k=20)
+    e = engine(m, transforms=transforms)
+    base = request([3, 6], n=1, max_new_tokens=8)
+    runs = [e.generate(replace(base, seed=seed, greedy=True)) for seed in (1, 2)]
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a.response_T, b.response_T)
+        assert torch.equal(a.response_T, _greedy_tokens(m, a, transforms))
+    sampled = e.generate(replace(base, seed=1))
+    assert any(not torch.equal(s.response_T, _greedy_tokens(m, s, transforms)) for s in sampled)

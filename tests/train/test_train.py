@@ -73,6 +73,7 @@ def test_the_bring_your_own_task_example_learns(root: Path) -> None:
     evaluated = [r for r in rows if "eval/pass@k" in r]
     assert [r["step"] for r in evaluated] == [9, 19, 29]
     assert all(0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1 and r["eval/k"] == 4 for r in evaluated)
+    assert all(0 <= r["eval/greedy_pass"] <= 1 for r in evaluated)
     rewards = [r["reward/mean"] for r in rows]
     first, last = statistics.mean(rewards[:8]), statistics.mean(rewards[-8:])
     assert last > first + 0.05, (first, last)

@@ -30,7 +30,7 @@ import json
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -179,7 +179,11 @@ class VllmEngine:
             prompts.append(TokensPrompt(prompt_token_ids=prompt.tolist()))
             params.append(
                 self._params(
-                    request.n, min(request.max_new_tokens, room), self._seed(seed, pid), f"{tag}:{pid}"
+                    request.n,
+                    min(request.max_new_tokens, room),
+                    self._seed(seed, pid),
+                    f"{tag}:{pid}",
+                    request.greedy,
                 )
             )
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -202,12 +206,14 @@ class VllmEngine:
     def _seed(self, seed: int, prompt_id: int) -> int:
         return step_seed(seed, prompt_id, 0) % SEED_SPACE
 
-    def _params(self, n: int, max_tokens: int, seed: int, key: str) -> Any:
+    def _params(self, n: int, max_tokens: int, seed: int, key: str, greedy: bool = False) -> Any:
         from vllm import SamplingParams
 
         from rlfw.rollout.vllm.tap import TAP_KEY
 
-        t = self.transforms
+        # Greedy as top-k 1 (not temperature 0): vLLM's sampler and the decode tap then replay the same
+        # transforms, and the one token left is the most likely one.
+        t = replace(self.transforms, top_k=1) if greedy else self.transforms
         return SamplingParams(
             n=n,
             temperature=t.temperature,
