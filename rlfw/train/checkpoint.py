@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from rlfw.distributed.groups import RolloutGroup, TrainerGroup
 from rlfw.distributed.weight_sync import WeightSync
+from rlfw.logging.progress import progress
 from rlfw.train.state import RunState, read_state, write_state
 from rlfw.types import WeightUpdate
 
@@ -78,10 +79,14 @@ def engine_versions(state: RunState) -> set[int]:
 def save_checkpoint(run_dir: Path, trainer: TrainerGroup, weights: EngineWeights, state: RunState) -> None:
     """Write a resumable checkpoint of ``state`` (the write order is in the module docstring)."""
     tag = f"step{state.step:06d}"
-    trainer.save(str(run_dir / CHECKPOINTS), tag)
-    weights.save(run_dir / CHECKPOINTS / tag, state)
-    state.tag = tag
-    write_state(run_dir, state)
+    with progress(total=3, desc=f"checkpoint {tag}") as bar:
+        trainer.save(str(run_dir / CHECKPOINTS), tag)
+        bar.update()
+        weights.save(run_dir / CHECKPOINTS / tag, state)
+        bar.update()
+        state.tag = tag
+        write_state(run_dir, state)
+        bar.update()
 
 
 def restore(run_dir: Path, trainer: TrainerGroup, weights: EngineWeights) -> RunState:

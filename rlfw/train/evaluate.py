@@ -16,6 +16,7 @@ import math
 import torch
 
 from rlfw.logging import metrics as m
+from rlfw.logging.progress import progress
 from rlfw.train.phases import Driver, reward
 from rlfw.types import GenerationRequest, Sample
 
@@ -39,7 +40,9 @@ def evaluate(d: Driver) -> dict[str, float]:
     problems = setup.task.eval_problems(cfg.prompts)
     prompts = [torch.tensor(setup.tokenizer(p.prompt, add_special_tokens=False).input_ids) for p in problems]
     ids, length = list(range(len(problems))), d.run.engine.max_new_tokens
+    bar = progress(total=2 if cfg.greedy else 1, desc="evaluation")
     samples = d.rollout.generate(GenerationRequest(ids, prompts, cfg.samples, length, EVAL_REQUEST_SEED))
+    bar.update()
     failed, _ = reward(setup, problems, samples)
     passed = [0] * len(problems)
     for s in samples:
@@ -63,6 +66,7 @@ def evaluate(d: Driver) -> dict[str, float]:
         out[m.EVAL_GREEDY_PASS] = sum(
             s.reward is not None and s.reward >= cfg.pass_threshold for s in greedy
         ) / len(problems)
+    bar.close()
     return out
 
 
