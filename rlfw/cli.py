@@ -43,7 +43,15 @@ def cmd_train(overrides: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-        print(to_yaml(load_config(overrides[:at] + overrides[at + 2 :])), end="")
+        rest = overrides[:at] + overrides[at + 2 :]
+        if is_multirun(rest):  # a sweep: every job's config, under a header naming the job
+            from rlfw.sweep import plan
+
+            sweep, _ = plan(rest)
+            for job in sweep.jobs:
+                print(f"# job {job.name}\n{to_yaml(load_config(sweep.job_overrides(job)))}", end="")
+            return 0
+        print(to_yaml(load_config(rest)), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return train(load_config(overrides))

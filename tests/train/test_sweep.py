@@ -103,3 +103,11 @@ def test_the_submitit_launcher_runs_the_jobs_and_records_their_exit_codes(tmp_pa
     record = json.loads((tmp_path / "sub" / SWEEP_FILE).read_text())
     assert [(j["name"], j["exit_code"]) for j in record["jobs"]] == [("00-seed=0", 0), ("01-seed=1", 0)]
     assert "submitted as" in out.stdout
+
+
+def test_cfg_job_with_a_sweep_prints_every_jobs_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from rlfw.cli import main
+
+    assert main(["train", "-m", "seed=3,4", "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("# job ") == 2 and "\nseed: 3\n" in out and "\nseed: 4\n" in out
