@@ -128,6 +128,23 @@ def test_decode_stream_replays_the_transforms_on_raw_logits(
     assert float((s.decode_logp - s.sampler_logp).abs().max()) < 1e-5
 
 
+# Before the tests that start and stop engines of their own: stopping one tears down vLLM's process-wide
+# parallel state, which the module's shared engine needs.
+def test_a_greedy_request_is_top_k_one(
+    engine: VllmEngine, ckpts: dict[str, tuple[Transformer, Path]]
+) -> None:
+    """Greedy in vLLM is the sampler's transforms with top-k 1: the most likely token at every position,
+    whatever the seed."""
+    req = GenerationRequest([21, 22], prompts([7, 4]), n=1, max_new_tokens=6, greedy=True)
+    runs = [engine.generate(dataclasses.replace(req, seed=seed)) for seed in (1, 2)]
+    model = ckpts["a"][0]
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a.response_T, b.response_T)
+        with torch.no_grad():
+            logits = model(a.tokens[None])[0, a.prompt_P.shape[0] - 1 : -1]
+        assert torch.equal(a.response_T, process_logits(logits, SAMPLER.transforms()).argmax(-1))
+
+
 def test_stop_token_ends_a_sample(ckpts: dict[str, tuple[Transformer, Path]]) -> None:
     e = VllmEngine(str(ckpts["a"][1]), engine_cfg(), stop_ids=list(range(40)))
     samples = e.generate(GenerationRequest([1], prompts([6]), n=4, max_new_tokens=30, seed=1))
@@ -216,18 +233,3 @@ def test_the_entry_point_registers_the_shared_model_in_vllm() -> None:
     (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "rlfw"]
     plugin.load()()  # what vLLM does in every process it starts
     assert "RlfwForCausalLM" in ModelRegistry.get_supported_archs()
-
-
-def test_a_greedy_request_is_top_k_one(
-    engine: VllmEngine, ckpts: dict[str, tuple[Transformer, Path]]
-) -> None:
-    """Greedy in vLLM is the sampler's transforms with top-k 1: the most likely token at every position,
-    whatever the seed."""
-    req = GenerationRequest([21, 22], prompts([7, 4]), n=1, max_new_tokens=6, greedy=True)
-    runs = [engine.generate(dataclasses.replace(req, seed=seed)) for seed in (1, 2)]
-    model = ckpts["a"][0]
-    for a, b in zip(*runs, strict=True):
-        assert torch.equal(a.response_T, b.response_T)
-        with torch.no_grad():
-            logits = model(a.tokens[None])[0, a.prompt_P.shape[0] - 1 : -1]
-        assert torch.equal(a.response_T, process_logits(logits, SAMPLER.transforms()).argmax(-1))
