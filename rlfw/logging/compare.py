@@ -27,10 +27,10 @@ from typing import Any
 from rlfw.logging import metrics as m
 from rlfw.logging.dashboard import SECTIONS
 from rlfw.logging.jsonl import METRICS_FILE, MetricsFileError, read_rows
-from rlfw.sweep import short_key
+from rlfw.logging.report import as_number
+from rlfw.sweep import SWEEP_FILE, short_key
 
 COMPARE_FILE = "compare.html"
-SWEEP_FILE = "sweep.json"
 FINAL_WINDOW = 10  # steps averaged for a run's "final" value
 SEED_KEYS = ("seed", "engine.seed", "model.seed")
 IGNORED_PREFIXES = ("logger.", "resume", "ray_address", "launcher.")
@@ -69,13 +69,6 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return mean, t95(len(finite) - 1) * statistics.stdev(finite) / math.sqrt(len(finite))
 
 
-def scalar(row: dict[str, Any], key: str) -> float | None:
-    value = row.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float | type(None)):
-        return None
-    return math.nan if value is None else float(value)
-
-
 def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
     if isinstance(tree, dict):
         out: dict[str, str] = {}
@@ -110,9 +103,11 @@ def collect(paths: list[Path]) -> list[RunData]:
         runs = []
         for job in record["jobs"]:
             folder = paths[0] / job["name"]
-            if (folder / METRICS_FILE).is_file() and read_rows(folder / METRICS_FILE):
-                params = {short_key(k): v for k, v in job["params"].items() if short_key(k) not in SEED_KEYS}
-                runs.append(RunData(job["name"], folder, params, load_run(folder)))
+            rows = read_rows(folder / METRICS_FILE) if (folder / METRICS_FILE).is_file() else []
+            if not rows:  # a job that has not logged a step (yet): left out; a damaged file still raises
+                continue
+            params = {short_key(k): v for k, v in job["params"].items() if short_key(k) not in SEED_KEYS}
+            runs.append(RunData(job["name"], folder, params, rows))
         if not runs:
             raise MetricsFileError(f"no job of the sweep in {paths[0]} has logged a step yet")
         return runs
@@ -145,7 +140,7 @@ def group_runs(runs: list[RunData]) -> list[Group]:
 def series(run: RunData, key: str) -> dict[int, float]:
     out = {}
     for row in run.rows:
-        value = scalar(row, key)
+        value = as_number(row.get(key))
         if value is not None and key in row:
             out[int(row["step"])] = value
     return out
@@ -209,7 +204,7 @@ def wall_clock(run: RunData) -> list[tuple[float, float]]:
     """(seconds since the first step began, reward) at the end of each step."""
     elapsed, out = 0.0, []
     for row in run.rows:
-        step_time, reward = scalar(row, m.TIME_STEP), scalar(row, m.REWARD_MEAN)
+        step_time, reward = as_number(row.get(m.TIME_STEP)), as_number(row.get(m.REWARD_MEAN))
         elapsed += step_time if step_time is not None and math.isfinite(step_time) else 0.0
         if reward is not None:
             out.append((elapsed, reward))
@@ -234,7 +229,8 @@ def summary(groups: list[Group]) -> list[dict[str, Any]]:
     step of the first push (async)."""
     runs = [run for g in groups for run in g.runs]
     common_step = min(int(run.rows[-1]["step"]) for run in runs)
-    common_time = min(wall_clock(run)[-1][0] if wall_clock(run) else math.inf for run in runs)
+    clocks = [wall_clock(run) for run in runs]
+    common_time = min(clock[-1][0] if clock else math.inf for clock in clocks)
     table = []
     for group in groups:
 
