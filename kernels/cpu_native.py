@@ -41,6 +41,14 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+def build_folder() -> Path:
+    """Where the extension is built: ``<TORCH_EXTENSIONS_DIR or torch's default>/rlfw_cpu_kernels-<key>``."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return root / f"{NAME}-{build_key()}"
+
+
 @functools.cache
 def module() -> Any:
     """The compiled extension (built on first use when the cache has none).
@@ -55,10 +63,9 @@ def module() -> Any:
     import fcntl
     import shutil
 
-    from torch.utils.cpp_extension import get_default_build_root, load
+    from torch.utils.cpp_extension import load
 
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    build = root / f"{NAME}-{build_key()}"
+    build = build_folder()
     build.mkdir(parents=True, exist_ok=True)
     with (build / "build.flock").open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)

@@ -3,24 +3,15 @@ a build killed midway leaves behind."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 from rlfw.kernels import cpu_native
 
 
-def _build_folder() -> Path:
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    return root / f"{cpu_native.NAME}-{cpu_native.build_key()}"
-
-
 def test_a_dead_builds_lock_file_does_not_block_the_next_load() -> None:
     cpu_native.module()  # built (or found) once
-    lock = _build_folder() / "lock"
+    lock = cpu_native.build_folder() / "lock"
     lock.touch()  # what torch leaves when the process building the extension is killed
     code = "from rlfw.kernels import cpu_native; print(cpu_native.module().vectorised())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -29,7 +20,7 @@ def test_a_dead_builds_lock_file_does_not_block_the_next_load() -> None:
 
 
 def test_the_build_is_keyed_by_the_sources_and_built_from_its_own_copy() -> None:
-    folder = _build_folder()
+    folder = cpu_native.build_folder()
     cpu_native.module()
     copies = sorted(p.name for p in (folder / "src").iterdir())
     assert copies == sorted(s.name for s in cpu_native.SOURCES)
