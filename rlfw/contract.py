@@ -140,11 +140,21 @@ def _case(ops: Ops, dtype: str, path: str, head: str) -> dict[str, Any]:
     }
 
 
-def _vllm_ops(ops: Ops, vllm_model: str) -> dict[str, Any]:
-    """What serves each op inside vLLM: the shared ops around vLLM's attention, or vLLM's own model."""
+def _vllm_ops(ops: Ops, vllm_model: str, shared: bool) -> dict[str, Any]:
+    """What serves each op inside vLLM: the shared ops (with the shared attention over vLLM's paged cache
+    when ``shared``, else vLLM's attention around them), or vLLM's own model."""
     if vllm_model == "stock":
         return {"all": "vllm_stock_model"}
+    if shared:
+        return ops.describe() | {"attention_cache": "vllm_paged_blocks", "log_softmax_in_vllm": "shared"}
     return ops.describe() | {"attention": "vllm_paged_attention"}
+
+
+def vllm_shares_numerics(kernels: str, vllm_model: str, device_type: str) -> bool:
+    """Whether vLLM runs the trainer's arithmetic end to end: the shared model on the invariant op set on
+    a CPU, whose attention and log-softmax inside vLLM are then rlfw's (:mod:`rlfw.rollout.vllm.attention`).
+    On GPUs vLLM's own attention runs, so its pairs keep a bound."""
+    return kernels == "invariant" and vllm_model == "rlfw" and device_type == "cpu"
 
 
 def build_contract(
@@ -166,8 +176,11 @@ def build_contract(
     themselves). With in-flight updates that keep the stale KV cache, prefill and decode knowingly differ
     after an update, so that pair is declared unbounded.
 
-    vLLM engine: its prefill and decode run vLLM's attention (or vLLM's whole stock model) and its
-    sampler applies vLLM's transforms, so every pair that touches vLLM declares a bound instead of bits.
+    vLLM engine: with the shared model on the invariant op set on a CPU (:func:`vllm_shares_numerics`),
+    vLLM's prefill, decode and sampler run the trainer's arithmetic (the shared attention over vLLM's
+    paged cache, the shared log-softmax in its sampler and prompt log-probs), and the same pairs as the
+    native engine's are claimed bitwise. Otherwise (vLLM's attention on GPUs, or its whole stock model)
+    every pair that touches vLLM declares a bound instead of bits.
 
     ``environment`` is the trainer's fingerprint (default: this process's); ``model`` the architecture
     (`rlfw.fingerprint.model_fingerprint`). ``accepted_mismatch`` lists fingerprint entries where some
@@ -189,8 +202,10 @@ def build_contract(
         "engine_decode": _case(ops, param_dtype, "slotted_cache_one_token", head),
         "sampler": _case(ops, param_dtype, "slotted_cache_one_token", sampler_head),
     }
+    device_type = environment.get("device", {}).get("type", "cpu")
+    vllm_shared = engine == "vllm" and vllm_shares_numerics(ops.name, vllm_model, device_type)
     if engine == "vllm":
-        vllm_ops = _vllm_ops(ops, vllm_model)
+        vllm_ops = _vllm_ops(ops, vllm_model, vllm_shared)
         cases["engine_prefill"] |= {"ops": vllm_ops, "path": "vllm_prompt_logprobs"}
         cases["engine_decode"] |= {"ops": vllm_ops, "path": "vllm_paged_decode_raw_logits"}
         cases["sampler"] |= {"ops": vllm_ops, "path": "vllm_processed_logprobs"}
@@ -202,7 +217,7 @@ def build_contract(
             pairs[pair_name(a, b)] = {"bitwise": False, "max_abs_dlogp": SAMPLER_BOUND[sampler_precision]}
         elif a == "engine_prefill" and in_flight_keep_kv:
             pairs[pair_name(a, b)] = {"bitwise": False, "max_abs_dlogp": None}
-        elif claims_bits and (engine == "native" or a == "trainer_grad"):
+        elif claims_bits and (engine == "native" or vllm_shared or a == "trainer_grad"):
             pairs[pair_name(a, b)] = {"bitwise": True, "max_abs_dlogp": 0.0}
         else:
             pairs[pair_name(a, b)] = {"bitwise": False, "max_abs_dlogp": DEFAULT_KERNEL_BOUND[param_dtype]}

@@ -1,4 +1,5 @@
-// Batch-invariant causal attention for CPUs over the slotted K/V layout [B, S, H_kv, D].
+// Batch-invariant causal attention for CPUs over the engine's slotted K/V layout [B, S, H_kv, D] and over
+// vLLM's paged layout (blocks of positions reached through a block table), with one arithmetic for both.
 //
 // Each query row (batch entry, position p, query head) is computed alone, by one thread, in an order that
 // depends on p and the head size only: scores s_i = q . k_i for i = 0 .. p (each dot product: eight lane
@@ -7,12 +8,15 @@
 // denominator = sum of e_i, i ascending; out[d] = (fma chain over i ascending of e_i * v_i[d]) / denominator.
 // Nothing past p is read, so stale or non-finite cache contents there cannot reach a result, and a prefill,
 // a chunked prefill, a decode step and the trainer's forward give the same bits for the same query.
-// A query with a negative position (padding) gets zeros.
+// A query with a negative position (padding) gets zeros. Where K/V live (a slotted row, a chain of paged
+// blocks, fp32 or bf16 widened exactly) does not enter the arithmetic, so the same query gets the same
+// bits from either cache.
 
 #include <torch/extension.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -57,6 +61,26 @@ inline void axpy(float w, const float* v, float* acc, int64_t d) {
   for (; i < d; ++i) acc[i] = std::fma(w, v[i], acc[i]);
 }
 
+// One query row over positions 0 .. p: key(i) and value(i) give position i's K and V rows (fp32, D floats).
+// e holds at least p + 1 floats, acc D floats.
+template <typename Key, typename Value>
+inline void attend_row(const float* qrow, int64_t p, int64_t d, float sc, const Key& key, const Value& value,
+                       float* e, float* acc, float* orow) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i <= p; ++i) {
+    e[i] = dot(qrow, key(i), d) * sc;
+    m = std::max(m, e[i]);
+  }
+  float denom = 0.0f;
+  for (int64_t i = 0; i <= p; ++i) {
+    e[i] = std::exp(e[i] - m);
+    denom += e[i];
+  }
+  std::fill(acc, acc + d, 0.0f);
+  for (int64_t i = 0; i <= p; ++i) axpy(e[i], value(i), acc, d);
+  for (int64_t j = 0; j < d; ++j) orow[j] = acc[j] / denom;
+}
+
 }  // namespace
 
 // q [B, T, Hq, D]; k and v [R, S, Hkv, D] cache rows (fp32, contiguous), batch entry b reading row rows[b]
@@ -93,27 +117,102 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     std::vector<float> acc(d);
     for (int64_t task = i0; task < i1; ++task) {
       const int64_t bi = task / hq, h = task % hq, kvh = h / group, ri = row[bi];
+      const auto key = [&](int64_t i) { return kp + ((ri * s + i) * hkv + kvh) * d; };
+      const auto value = [&](int64_t i) { return vp + ((ri * s + i) * hkv + kvh) * d; };
       for (int64_t ti = 0; ti < t; ++ti) {
         const int64_t p = pos[bi * t + ti];
         if (p < 0) continue;
         TORCH_CHECK(p < s, "attention: position ", p, " outside the cache (", s, " slots)");
-        const float* qrow = qp + ((bi * t + ti) * hq + h) * d;
-        float m = -INFINITY;
-        for (int64_t i = 0; i <= p; ++i) {
-          e[i] = dot(qrow, kp + ((ri * s + i) * hkv + kvh) * d, d) * sc;
-          m = std::max(m, e[i]);
-        }
-        float denom = 0.0f;
-        for (int64_t i = 0; i <= p; ++i) {
-          e[i] = std::exp(e[i] - m);
-          denom += e[i];
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t i = 0; i <= p; ++i) axpy(e[i], vp + ((ri * s + i) * hkv + kvh) * d, acc.data(), d);
-        float* orow = op + ((bi * t + ti) * hq + h) * d;
-        for (int64_t j = 0; j < d; ++j) orow[j] = acc[j] / denom;
+        attend_row(qp + ((bi * t + ti) * hq + h) * d, p, d, sc, key, value, e.data(), acc.data(),
+                   op + ((bi * t + ti) * hq + h) * d);
       }
     }
   });
+  return out;
+}
+
+namespace {
+
+// The K or V row of one paged position: in place for fp32, widened (exactly) into `scratch` for bf16.
+template <typename T>
+inline const float* widen(const T* src, float* scratch, int64_t d) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    for (int64_t j = 0; j < d; ++j) scratch[j] = static_cast<float>(src[j]);
+    return scratch;
+  }
+}
+
+template <typename T>
+void paged(const float* qp, const T* kv, const int64_t* seq, const int64_t* pos, const int64_t* table,
+           int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t block, int64_t max_blocks, int64_t max_pos,
+           float sc, float* op) {
+  const int64_t group = hq / hkv;
+  // One task per (query token, query head).
+  at::parallel_for(0, n * hq, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> e(max_pos + 1);
+    std::vector<float> acc(d), kbuf(d), vbuf(d);
+    for (int64_t task = i0; task < i1; ++task) {
+      const int64_t ti = task / hq, h = task % hq, kvh = h / group, p = pos[ti];
+      if (p < 0) continue;
+      const int64_t* blocks = table + seq[ti] * max_blocks;
+      // Block b, head kvh: `block` key rows, then `block` value rows, each d wide.
+      const auto at = [&](int64_t i) { return kv + ((blocks[i / block] * hkv + kvh) * 2 * block + i % block) * d; };
+      const auto key = [&](int64_t i) { return widen(at(i), kbuf.data(), d); };
+      const auto value = [&](int64_t i) { return widen(at(i) + block * d, vbuf.data(), d); };
+      attend_row(qp + (ti * hq + h) * d, p, d, sc, key, value, e.data(), acc.data(), op + (ti * hq + h) * d);
+    }
+  });
+}
+
+}  // namespace
+
+// q [N, Hq, D] fp32: N query tokens of many sequences; kv [NB, Hkv, 2 * BS, D] (fp32 or bf16): per block and
+// KV head, BS key rows then BS value rows (vLLM's CPU cache tensor viewed so); token i belongs to sequence
+// seq[i] (a row of block_table [R, MB], int64) at position pos[i] (int64; negative: padding, zeros) and sees
+// positions 0 .. pos[i] of that sequence. Returns [N, Hq, D].
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& seq,
+                              const torch::Tensor& pos, const torch::Tensor& block_table, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && seq.dim() == 1 && pos.dim() == 1 && block_table.dim() == 2,
+              "paged_attention: bad ranks");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention: fp32 queries");
+  TORCH_CHECK(kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16,
+              "paged_attention: fp32 or bf16 cache");
+  TORCH_CHECK(seq.scalar_type() == at::kLong && pos.scalar_type() == at::kLong &&
+                  block_table.scalar_type() == at::kLong,
+              "paged_attention: int64 indices");
+  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && seq.is_contiguous() && pos.is_contiguous() &&
+                  block_table.is_contiguous(),
+              "paged_attention: contiguous operands");
+  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t nb = kv.size(0), hkv = kv.size(1), block = kv.size(2) / 2;
+  const int64_t rows = block_table.size(0), max_blocks = block_table.size(1);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0 && kv.size(3) == d && kv.size(2) % 2 == 0 && seq.size(0) == n &&
+                  pos.size(0) == n,
+              "paged_attention: shapes");
+  const int64_t* sp = seq.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  int64_t max_pos = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (pp[i] < 0) continue;
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < rows, "paged_attention: sequence ", sp[i], " outside 0..", rows - 1);
+    TORCH_CHECK(pp[i] < max_blocks * block, "paged_attention: position ", pp[i], " past the block table");
+    for (int64_t j = 0; j <= pp[i] / block; ++j) {
+      const int64_t b = table[sp[i] * max_blocks + j];
+      TORCH_CHECK(b >= 0 && b < nb, "paged_attention: block ", b, " outside 0..", nb - 1);
+    }
+    max_pos = std::max(max_pos, pp[i]);
+  }
+  auto out = torch::zeros_like(q);
+  const float sc = static_cast<float>(scale);
+  if (kv.scalar_type() == at::kFloat) {
+    paged(q.data_ptr<float>(), kv.data_ptr<float>(), sp, pp, table, n, hq, hkv, d, block, max_blocks, max_pos, sc,
+          out.data_ptr<float>());
+  } else {
+    paged(q.data_ptr<float>(), kv.data_ptr<at::BFloat16>(), sp, pp, table, n, hq, hkv, d, block, max_blocks,
+          max_pos, sc, out.data_ptr<float>());
+  }
   return out;
 }

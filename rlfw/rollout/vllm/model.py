@@ -4,9 +4,10 @@ vLLM keeps what it owns: the paged KV cache, the scheduler, its attention backen
 Everything else in the forward is the shared model itself: embeddings, every linear layer (through
 ``ops.linear``), RMSNorm, RoPE, SwiGLU, the MoE router and the fixed-order expert combine, and the LM
 head, from the same :class:`~rlfw.model.Transformer` modules the trainer runs, on the op set the run
-selects (``kernels=invariant|default``). So the engine side of a vLLM run differs from the trainer only
-in attention (vLLM's kernel over its paged cache) and in vLLM's sampler; ``rlfw audit engine=vllm``
-localises what still differs.
+selects (``kernels=invariant|default``). Under ``kernels=invariant`` on CPU the attention too is the
+shared one, over vLLM's paged cache (:mod:`rlfw.rollout.vllm.attention`), so every op of the engine's
+forward is the trainer's; elsewhere vLLM's own attention backend runs. ``rlfw audit engine=vllm``
+checks the result and localises what differs.
 
 Registration: the ``vllm.general_plugins`` entry point ``rlfw`` calls :func:`register` in every process
 vLLM starts; a checkpoint selects the model with ``hf_overrides={"architectures": [ARCHITECTURE],
@@ -48,8 +49,9 @@ def _hf_dict(hf_config: Any) -> dict[str, Any]:
 class PagedAttention(RlfwAttention):
     """The shared attention block (projections, q/k norms, RoPE) around vLLM's paged attention layer."""
 
-    def __init__(self, args: ModelArgs, layer: int, vllm_config: Any) -> None:
+    def __init__(self, args: ModelArgs, layer: int, vllm_config: Any, kernels: str) -> None:
         from vllm.model_executor.layers.attention import Attention as VllmAttention
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
         super().__init__(args, layer)
         self.attn = VllmAttention(
@@ -60,6 +62,10 @@ class PagedAttention(RlfwAttention):
             cache_config=vllm_config.cache_config,
             prefix=f"model.layers.{layer}.self_attn.attn",
         )
+        if kernels == "invariant" and isinstance(self.attn.impl, CPUAttentionBackendImpl):
+            from rlfw.rollout.vllm.attention import SharedPagedAttention
+
+            self.attn.impl = SharedPagedAttention.replacing(self.attn.impl)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         n, ops = x.shape[1], ctx.ops
@@ -84,10 +90,11 @@ class RlfwForCausalLM(Transformer):
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         hf = vllm_config.model_config.hf_config
-        super().__init__(args_from_hf_config(_hf_dict(hf)), kernels=getattr(hf, KERNELS_KEY, "invariant"))
+        kernels = getattr(hf, KERNELS_KEY, "invariant")
+        super().__init__(args_from_hf_config(_hf_dict(hf)), kernels=kernels)
         for i, block in enumerate(self.model.layers):
             assert isinstance(block, Block)
-            block.self_attn = PagedAttention(self.args, i, vllm_config)
+            block.self_attn = PagedAttention(self.args, i, vllm_config, kernels)
         self._repack = True  # weights (re)loaded since the last forward
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
