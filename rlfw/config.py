@@ -143,7 +143,8 @@ class TrainerConfig:
     micro_batch_size: int = 16  # sequences per micro-batch (gradient accumulation fills the batch)
     steps: int = 20  # optimizer steps in the run
     checkpoint_every: int = 5  # save a resumable checkpoint every this many steps (and at the end)
-    max_skipped_steps: int = 3  # stop (exit 1) after this many steps in a row with nothing to train on
+    max_skipped_steps: int = 3  # stop (exit 1) after this many skipped steps in a row (nothing to train
+    # on, or non-finite gradients)
     cpu_threads: int = 1  # CPU threads per trainer rank; 0 = every core of its node
 
     def __post_init__(self) -> None:

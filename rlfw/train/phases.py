@@ -41,6 +41,7 @@ class Driver:
     run_dir: Path
     state: RunState
     skipped_in_a_row: int = 0  # consecutive steps with too few usable samples to train on
+    nonfinite_in_a_row: int = 0  # consecutive steps whose update was dropped for non-finite gradients
 
     def checkpoint(self) -> None:
         save_checkpoint(self.run_dir, self.trainer, self.weights, self.state)
@@ -102,11 +103,33 @@ def train_on(
     t1 = time.perf_counter()
     result = d.trainer.train(batch)
     t2 = time.perf_counter()
+    check_finite(d, step, result.scalars)
     return Trained(samples, batch, result, failed, len(dropped), t1 - t0, t2 - t1, parts)
 
 
 class StalledRun(RuntimeError):
-    """Too many steps in a row had nothing to train on; the message says why."""
+    """Too many steps in a row had nothing to train on, or diverged; the message says why."""
+
+
+def check_finite(d: Driver, step: int, scalars: dict[str, float]) -> None:
+    """Warn about a step whose update was dropped for a non-finite loss or grad norm (the metrics row
+    says ``train/skipped_nonfinite``), and stop the run after ``trainer.max_skipped_steps`` in a row: a
+    diverged run must not go on logging nothing but NaN."""
+    if not scalars.get("train/skipped_nonfinite"):
+        d.nonfinite_in_a_row = 0
+        return
+    d.nonfinite_in_a_row += 1
+    losses = ", ".join(f"{k}={v:.4g}" for k, v in scalars.items() if k.startswith("loss/"))
+    why = f"grad_norm={scalars.get('grad_norm', float('nan')):.4g} ({losses})"
+    log.warning("step %d: update skipped, the gradients were not finite: %s", step, why)
+    if d.nonfinite_in_a_row >= d.run.trainer.max_skipped_steps:
+        # The step's full report is never built: its row says what the trainer reported, then the run stops.
+        kept = {k: v for k, v in scalars.items() if k.startswith("loss/") or k == "grad_norm"}
+        d.logger.log(step, {"train/skipped_nonfinite": 1.0, **kept})
+        raise StalledRun(
+            f"{d.nonfinite_in_a_row} steps in a row had non-finite gradients (last: {why}); the run "
+            "diverged: lower trainer.lr or trainer.grad_clip, or check the reward's scale"
+        )
 
 
 def skip_step(d: Driver, step: int, total: int, failed: int, dropped: int) -> None:

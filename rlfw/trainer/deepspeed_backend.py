@@ -82,6 +82,7 @@ class DeepSpeedBackend:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.model = model
         self.zero_stage = cfg.zero_stage
+        self.last_step_skipped = False  # the last step's gradients were not finite: no update was made
 
     @property
     def module(self) -> nn.Module:
@@ -93,11 +94,21 @@ class DeepSpeedBackend:
     def step(self) -> float:
         """Clip, update, schedule; the global grad norm before clipping.
 
+        A step whose gradients are not finite is skipped (no update, no schedule step, the gradients
+        dropped) and :attr:`last_step_skipped` says so. From ZeRO stage 1 up DeepSpeed detects that itself
+        (its overflow check, also for fp32 and bf16) and every rank agrees, since the norm is global. At
+        stage 0 the gradients are already all-reduced in backward, so each rank's own check agrees too.
+
         DeepSpeed reports the norm from ZeRO stage 1 up; at stage 0 it does not, so the norm is taken from
         the gradients before the step, which is the global norm only on a single rank (NaN otherwise).
         """
         local = self._local_norm() if self.zero_stage == 0 else None
+        if local is not None and not math.isfinite(local):
+            self.engine.zero_grad()
+            self.last_step_skipped = True
+            return local
         self.engine.step()
+        self.last_step_skipped = bool(getattr(self.engine.optimizer, "overflow", False))
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             return local if (local is not None and self.world == 1) else float("nan")

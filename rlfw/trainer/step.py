@@ -34,7 +34,13 @@ class Backend(Protocol):
     def backward(self, loss: Tensor) -> None: ...
 
     def step(self) -> float:
-        """Apply the accumulated gradients (clipping, LR schedule); return the global grad norm."""
+        """Apply the accumulated gradients (clipping, LR schedule); return the global grad norm. Gradients
+        that are not finite are dropped instead, and ``last_step_skipped`` is then true."""
+        ...
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last :meth:`step` dropped non-finite gradients instead of updating."""
         ...
 
 
@@ -150,6 +156,7 @@ def train_step(
             mismatch.append(out.replay_mismatch)
     scalars = {k: v if k.startswith("loss/") else v / max(batch.num_tokens, 1) for k, v in sums.items()}
     scalars["grad_norm"] = backend.step()
+    scalars["train/skipped_nonfinite"] = float(backend.last_step_skipped)
     if mismatch:
         scalars["router/replay_mismatch_frac"] = sum(mismatch) / len(mismatch)
     return TrainResult(trainer_logp=torch.cat(q_parts), old_logp=old, scalars=scalars)

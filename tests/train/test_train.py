@@ -198,6 +198,19 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit_cleanly(
 
 
 @pytest.mark.slow
+def test_a_diverging_run_skips_its_updates_and_stops_with_the_fix(root: Path) -> None:
+    """``trainer.lr=1e3``: after the first update the gradients are no longer finite; those updates are
+    skipped (said in the log and in each step's row) and the third in a row stops the run, exit 1."""
+    run = run_train(root, "diverge", *SMALL, "trainer.lr=1e3", "trainer.steps=12")
+    assert run.returncode == 1, run.log[-3000:]
+    assert "steps in a row had non-finite gradients" in run.log and "lower trainer.lr" in run.log
+    rows = run.metrics()
+    skipped = [r["step"] for r in rows if r.get("train/skipped_nonfinite") == 1.0]
+    assert len(skipped) == 3 and skipped == list(range(skipped[0], skipped[0] + 3))
+    assert rows[-1]["step"] == skipped[-1] < 11
+
+
+@pytest.mark.slow
 def test_vllm_engine_trains_a_few_steps(root: Path) -> None:
     """engine=vllm: real vLLM in the rollout actor, weights pushed every step, a clean exit."""
     run = run_train(root, "vllm", *SMALL, "engine=vllm", "trainer.steps=4", timeout=600)

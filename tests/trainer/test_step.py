@@ -24,6 +24,7 @@ class PlainBackend:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.grads: dict[str, torch.Tensor] = {}
+        self.last_step_skipped = False
 
     @property
     def module(self) -> nn.Module:

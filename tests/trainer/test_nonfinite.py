@@ -1,0 +1,90 @@
+"""Non-finite gradients: the DeepSpeed step is skipped (the weights stay as they were, at every ZeRO
+stage and precision), the step says so, and a run that keeps diverging stops with a line that says why.
+
+If one of these breaks, a diverging run (``trainer.lr=1e3``) writes NaN into the weights, logs
+``grad_norm`` null from then on and exits 0 as if it had trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from rlfw.compose import load_config
+from rlfw.distributed.cluster import SUBPROCESS_ENV
+from rlfw.logging.logger import RunLogger
+from rlfw.train.phases import Driver, StalledRun, check_finite
+from rlfw.train.state import RunState
+
+# One rank of DeepSpeed in a fresh process (its process group is process-wide): a finite step, a step
+# with a NaN gradient, a finite step again; prints whether each was skipped and whether weights moved.
+SCRIPT = """
+import json, os, socket, sys
+import torch, deepspeed
+from rlfw.model import build_preset
+from rlfw.trainer.deepspeed_backend import DeepSpeedBackend, OptimConfig
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+deepspeed.init_distributed(dist_backend="gloo")
+stage, precision = int(sys.argv[1]), sys.argv[2]
+dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+model = build_preset("tiny_dense", seed=0, dtype=dtype).train()
+backend = DeepSpeedBackend(model, OptimConfig(1e-3, 0.0, 1.0, 0, "constant", 10, stage, precision))
+ids = torch.randint(4, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+out = []
+for poison in (False, True, False):
+    before = backend.full_state_dict()  # gathered: ZeRO-3 partitions the parameters
+    loss = backend.module(ids).float().logsumexp(-1).mean()
+    if poison:
+        loss = loss * float("nan")
+    backend.backward(loss)
+    norm = backend.step()
+    now = backend.full_state_dict()
+    moved = any(not torch.equal(before[k], now[k]) for k in now)
+    finite = all(bool(torch.isfinite(v).all()) for v in now.values())
+    out.append({"skipped": backend.last_step_skipped, "moved": moved, "finite": finite, "norm": norm})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize(("stage", "precision"), [(0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "fp32")])
+def test_a_nonfinite_step_is_skipped_and_the_next_one_trains(stage: int, precision: str) -> None:
+    env = os.environ | SUBPROCESS_ENV | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(stage), precision],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, poisoned, after = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not first["skipped"] and first["moved"]
+    assert poisoned["skipped"] and not poisoned["moved"] and poisoned["finite"]
+    assert not after["skipped"] and after["moved"] and after["finite"]
+
+
+def _driver(tmp_path: Path, limit: int) -> Driver:
+    run = load_config([f"trainer.max_skipped_steps={limit}"])
+    logger = RunLogger(tmp_path, False, "disabled", "p", "r", {})
+    none = cast(Any, None)
+    return Driver(run, none, none, none, none, logger, tmp_path, RunState(-1, 0, "", 0))
+
+
+def test_k_nonfinite_steps_in_a_row_stop_the_run_with_the_fix(tmp_path: Path) -> None:
+    d = _driver(tmp_path, limit=2)
+    bad = {"train/skipped_nonfinite": 1.0, "grad_norm": float("nan"), "loss/policy": float("nan")}
+    check_finite(d, 0, bad)
+    check_finite(d, 1, {"train/skipped_nonfinite": 0.0, "grad_norm": 0.5})  # a good step resets the count
+    assert d.nonfinite_in_a_row == 0
+    check_finite(d, 2, bad)
+    with pytest.raises(StalledRun, match=r"2 steps in a row had non-finite gradients .*lower trainer\.lr"):
+        check_finite(d, 3, bad)
+    d.logger.close()
