@@ -12,7 +12,9 @@ Streams (design §2) and where each comes from:
   fetched (cost grows with the vocabulary).
 
 So the decode~sampler pair measures vLLM's sampling transforms against rlfw's, prefill~decode vLLM's
-prefill path against its decode path, and trainer~prefill the trainer against vLLM's prefill.
+prefill path against its decode path, and trainer~prefill the trainer against vLLM's prefill. With the
+shared model on the invariant op set on a CPU all three are bitwise: the attention and the log-softmax
+inside vLLM are rlfw's too (:mod:`rlfw.rollout.vllm.attention`).
 
 GRPO groups are vLLM's ``n``: a prompt's request is seeded from (round seed, prompt id) and vLLM gives
 child ``i`` that seed plus ``i``, so a sample does not depend on which actor or batch produced it.
