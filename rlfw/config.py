@@ -353,11 +353,10 @@ class RunConfig:
             raise ConfigError(
                 "model.router_replay=true needs an MoE model (model.preset=tiny_moe or an MoE path)"
             )
-        if self.model.router_replay and self.engine.name == "vllm":
+        if self.model.router_replay and self.engine.name == "vllm" and self.engine.vllm.model != "rlfw":
             raise ConfigError(
-                "model.router_replay=true with engine=vllm needs the routed expert ids from vLLM, which "
-                "vLLM returns only on GPU (enable_return_routed_experts) and this version does not read; "
-                "use engine=native for R3, or router_replay=false"
+                "model.router_replay=true with engine=vllm needs the routed expert ids, which the shared "
+                "model records inside vLLM: use engine.vllm.model=rlfw (vLLM's stock model does not)"
             )
 
 

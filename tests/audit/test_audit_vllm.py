@@ -125,9 +125,11 @@ def test_bad_inputs_exit_2_with_the_fix(tmp_path: Path, capsys: pytest.CaptureFi
     code = main(["train", "engine=vllm", "engine.sampler.precision=fp8"])
     err = capsys.readouterr().err
     assert code == 2 and "engine=vllm samples from fp32 logits" in err
-    code = main(["train", "engine=vllm", "model=tiny_moe", "model.router_replay=true"])
+    code = main(
+        ["train", "engine=vllm", "engine.vllm.model=stock", "model=tiny_moe", "model.router_replay=true"]
+    )
     err = capsys.readouterr().err
-    assert code == 2 and "enable_return_routed_experts" in err
+    assert code == 2 and "use engine.vllm.model=rlfw" in err
 
 
 def test_missing_vllm_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -187,6 +187,36 @@ def test_the_prefix_cache_and_chunked_prefill_keep_the_bits(
             assert torch.equal(getattr(s, name), q), (s.prompt_id, name)
 
 
+def test_moe_samples_carry_the_routed_experts_and_replaying_them_reproduces_the_streams(
+    tmp_path: Path,
+) -> None:
+    """R3 inside vLLM: the shared MoE model records the experts it routed every fed position to (prompt,
+    then each decode step; the last token's from the rescoring forward). They are the trainer's own
+    choices here (the invariant kernels), and replaying them in the trainer gives vLLM's decode and
+    prefill streams bit for bit."""
+    from rlfw.model import RouterTrace
+
+    model = build_preset("tiny_moe", seed=2, kernels="invariant")
+    save_pretrained(model, tmp_path / "moe")
+    e = VllmEngine(str(tmp_path / "moe"), engine_cfg(SAMPLER))
+    assert not e.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching  # cached prompts feed nothing
+    samples = e.generate(GenerationRequest([1, 2], prompts([9, 4]), n=2, max_new_tokens=10, seed=6))
+    e.shutdown()
+    n_moe, k = len(model.args.moe_layers), model.args.num_experts_per_tok
+    for s in samples:
+        assert s.routed_experts is not None and s.routed_experts.shape == (s.tokens.shape[0], n_moe, k)
+        with torch.no_grad():
+            own = RouterTrace()
+            model(s.tokens[None], routing=own)
+            assert torch.equal(own.stacked()[0], s.routed_experts)
+            logits = model(s.tokens[None], routing=RouterTrace(replay=s.routed_experts[None]))[0]
+        p = s.prompt_P.shape[0]
+        replayed = model.ops.token_logp(
+            process_logits(logits[p - 1 : -1], SAMPLER.transforms()), s.response_T
+        )
+        assert torch.equal(replayed, s.decode_logp) and torch.equal(replayed, s.prefill_logp)
+
+
 def test_stop_token_ends_a_sample(ckpts: dict[str, tuple[Transformer, Path]]) -> None:
     e = VllmEngine(str(ckpts["a"][1]), engine_cfg(), stop_ids=list(range(40)))
     samples = e.generate(GenerationRequest([1], prompts([6]), n=4, max_new_tokens=30, seed=1))

@@ -198,6 +198,27 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit_cleanly(
 
 
 @pytest.mark.slow
+def test_router_replay_with_vllm_trains_on_the_experts_vllm_chose(root: Path) -> None:
+    """R3 with engine=vllm: the shared MoE model inside vLLM records its routing, the trainer replays it;
+    under the contract every factor is exactly 1 and no replayed expert differs from the trainer's own."""
+    run = run_train(
+        root,
+        "vllm_r3",
+        *SMALL,
+        "engine=vllm",
+        "model=tiny_moe",
+        "model.router_replay=true",
+        "trainer.steps=3",
+    )
+    assert run.returncode == 0, run.log[-3000:]
+    rows = run.metrics()
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["router/replay_mismatch_frac"] == 0.0
+        assert row["ratio/total/max_abs_log"] == 0.0
+
+
+@pytest.mark.slow
 def test_a_diverging_run_skips_its_updates_and_stops_with_the_fix(root: Path) -> None:
     """``trainer.lr=1e3``: after the first update the gradients are no longer finite; those updates are
     skipped (said in the log and in each step's row) and the third in a row stops the run, exit 1."""

@@ -52,12 +52,16 @@ if TYPE_CHECKING:
 SEED_SPACE = 2**62  # request seeds; vLLM adds the sample index for the n children
 
 
-def llm_options(engine_cfg: EngineConfig, kernels: str) -> tuple[dict[str, str], dict[str, Any]]:
+def llm_options(
+    engine_cfg: EngineConfig, kernels: str, moe: bool = False
+) -> tuple[dict[str, str], dict[str, Any]]:
     """The environment and ``vllm.LLM`` keyword arguments that ``engine.*`` asks for.
 
     In-process (one worker; the decode tap reads the model's process), prefix caching on, log-probs of
     the processed distribution, any number of top-k log-probs. ``engine.vllm.model=rlfw`` swaps in the
-    shared model through ``hf_overrides``.
+    shared model through ``hf_overrides``; for an MoE model it records the routed experts of every
+    position a request feeds, which a prompt served from the prefix cache would skip, so prefix caching
+    is then off.
     """
     from rlfw.rollout.vllm.model import ARCHITECTURE, KERNELS_KEY
 
@@ -73,7 +77,7 @@ def llm_options(engine_cfg: EngineConfig, kernels: str) -> tuple[dict[str, str],
         "max_model_len": engine_cfg.max_model_len,
         "max_num_seqs": engine_cfg.max_slots,
         "enforce_eager": settings.enforce_eager,
-        "enable_prefix_caching": True,
+        "enable_prefix_caching": not (moe and settings.model == "rlfw"),
         "gpu_memory_utilization": settings.gpu_memory_utilization,
         "logprobs_mode": "processed_logprobs",
         "max_logprobs": -1,
@@ -88,6 +92,22 @@ def llm_options(engine_cfg: EngineConfig, kernels: str) -> tuple[dict[str, str],
         options["enable_chunked_prefill"] = False
         options["max_num_batched_tokens"] = max(engine_cfg.max_model_len, 4096)
     return env, options
+
+
+def routed_experts(sample: Sample, steps: list[Tensor], last: Tensor | None) -> Tensor | None:
+    """``[P + T, n_moe_layers, k]``: the ids of each position the request fed to vLLM's model (its prompt,
+    then each decode step's token), and the last token's from the rescoring forward (None when that
+    sequence was not rescored, as in the built-in engine)."""
+    if last is None:
+        return None
+    fed = torch.cat(steps) if steps else last[:0]
+    want = sample.prompt_P.shape[0] + sample.response_T.shape[0] - 1
+    if fed.shape[0] != want:
+        raise RuntimeError(
+            f"vLLM fed {fed.shape[0]} positions of prompt {sample.prompt_id} to the model, expected {want}; "
+            "a request preempted and recomputed feeds its prompt twice: raise engine.vllm.kv_cache_gib"
+        )
+    return torch.cat([fed, last]).to(torch.long)
 
 
 class VllmEngine:
@@ -106,11 +126,14 @@ class VllmEngine:
         version: int = 0,
     ) -> None:
         require_vllm()
-        env, options = llm_options(engine_cfg, kernels)
+        self.tensor_names = check_checkpoint(model_path)
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        # MoE with the shared model: every sample carries the experts vLLM routed each position to (R3).
+        self.records_routing = engine_cfg.vllm.model == "rlfw" and bool(config.get("num_experts"))
+        env, options = llm_options(engine_cfg, kernels, moe=self.records_routing)
         os.environ.update(env)
         if engine_cfg.vllm.batch_invariant and torch.cuda.is_available():
             os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
-        self.tensor_names = check_checkpoint(model_path)
         from vllm import LLM
 
         from rlfw.rollout.vllm.model import register
@@ -212,18 +235,23 @@ class VllmEngine:
         outputs = self._run(prompts, params)
         records = RECORDS.setdefault(self.id, {})
         samples: list[Sample] = []
+        fed: list[list[Tensor]] = []  # per sample, the expert ids of each step (MoE)
         for pid, prompt, out, p in zip(request.prompt_ids, request.prompts, outputs, params, strict=True):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 tracked = records.pop((f"{tag}:{pid}", p.seed + c.index))
                 tracked.resolve()
                 samples.append(self._sample(pid, c, prompt, tracked.logp))
+                fed.append(tracked.routing)
         chosen = []
         for s in samples:
             if gets_prefill(seed, s.prompt_id, s.sample_index, self.prefill_fraction):
                 chosen.append(s)
             else:
                 s.prefill_logp, s.prefilled = torch.full_like(s.prefill_logp, float("nan")), False
-        self._rescore(chosen)
+        last = self._rescore(chosen, tag)
+        if self.records_routing:
+            for s, steps in zip(samples, fed, strict=True):
+                s.routed_experts = routed_experts(s, steps, last.get(id(s)))
         return samples
 
     def _seed(self, seed: int, prompt_id: int) -> int:
@@ -288,24 +316,43 @@ class VllmEngine:
             final_version=self._version,
         )
 
-    def _rescore(self, samples: list[Sample]) -> None:
+    def _rescore(self, samples: list[Sample], tag: str = "") -> dict[int, Tensor]:
         """``prefill_logp``: every finished sequence as one prompt, at the current (final) version.
 
         vLLM's prompt log-probs are of the raw logits. When the engine shares the numerics, the shared
         log-softmax applies rlfw's transforms inside that pass, so the sequence's own token's entry is the
         stream (the same arithmetic as the decode stream and the trainer). Otherwise, with transforms
-        declared, the full-vocabulary rows are fetched and the transforms replayed on them."""
+        declared, the full-vocabulary rows are fetched and the transforms replayed on them.
+
+        Returns, for an MoE model, each rescored sample's expert ids at its last position (keyed by
+        ``id(sample)``): no generation step fed that token, the rescoring forward did."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if not samples:
-            return
+            return {}
+        from rlfw.rollout.vllm.tap import RECORDS, TAP_KEY
+
         own = self.transforms == Transforms() or self.shared_numerics
-        params = SamplingParams(
-            max_tokens=1, prompt_logprobs=0 if own else -1, flat_logprobs=own, detokenize=False
-        )
+
+        def keys(i: int) -> dict[str, Any]:  # MoE: the tap collects the rescoring forward's routing
+            key = (self.id, f"{tag}:rescore:{i}", self.kernels, asdict(self.transforms))
+            return {"extra_args": {TAP_KEY: key}} if self.records_routing else {}
+
+        params = [
+            SamplingParams(
+                max_tokens=1, prompt_logprobs=0 if own else -1, flat_logprobs=own, detokenize=False, **keys(i)
+            )
+            for i in range(len(samples))
+        ]
         prompts = [TokensPrompt(prompt_token_ids=s.tokens.tolist()) for s in samples]
         outputs = self._run(prompts, params, self.transforms if self.shared_numerics else None)
+        last: dict[int, Tensor] = {}
+        if self.records_routing:
+            records = RECORDS.setdefault(self.id, {})
+            for i, s in enumerate(samples):
+                t = records.pop((f"{tag}:rescore:{i}", 0))
+                last[id(s)] = t.routing[0][-1:]
         for s, out in zip(samples, outputs, strict=True):
             p = s.prompt_P.shape[0]
             if own:  # one entry per position after the first: the position's own token
@@ -315,6 +362,7 @@ class VllmEngine:
                 s.prefill_logp = torch.tensor(flat.logprobs[p - 1 :], dtype=torch.float32)
             else:
                 s.prefill_logp = self._replayed(out.prompt_logprobs[p:], s.response_T)
+        return last
 
     def _replayed(self, rows: list[dict[int, Any]], tokens: Tensor) -> Tensor:
         """rlfw's transforms on full-vocabulary raw prompt log-probs (a constant shift of the logits)."""

@@ -25,6 +25,7 @@ from torch import Tensor
 from rlfw.model.config import ModelArgs, args_from_hf_config
 from rlfw.model.layers import Attention as RlfwAttention
 from rlfw.model.layers import Block, ForwardContext
+from rlfw.model.routing import RouterTrace
 from rlfw.model.transformer import Transformer, rope_tables
 
 ARCHITECTURE = "RlfwForCausalLM"
@@ -116,10 +117,13 @@ class RlfwForCausalLM(Transformer):
             inputs_embeds = self.embed_input_ids(input_ids)
         pos = positions[None].to(torch.long)
         cos, sin = rope_tables(pos, self.args.head_dim, self.args.rope_theta)
-        ctx = ForwardContext(self.ops, pos, cos, sin)
+        trace = RouterTrace() if self.args.is_moe else None
+        ctx = ForwardContext(self.ops, pos, cos, sin, routing=trace)
         x = inputs_embeds[None]
         for block in self.model.layers:
             x = block(x, ctx)
+        if trace is not None:
+            publish_routing(trace.stacked()[0])
         return self.model.norm(x, ctx)[0]
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
@@ -149,3 +153,24 @@ class RlfwForCausalLM(Transformer):
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
         return loaded
+
+
+def publish_routing(ids: Tensor) -> None:
+    """Hand this step's expert ids (``[N, n_moe_layers, k]`` for vLLM's flat batch of ``N`` tokens) to
+    the decode tap, split per request: vLLM lays a step's tokens out request by request in its batch
+    order (``query_start_loc``), the order in which the tap sees the requests' logits rows."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    from rlfw.rollout.vllm import tap
+
+    tap.STEP_ROUTING.clear()
+    if not is_forward_context_available():
+        return
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, dict):
+        metadata = next(iter(metadata.values()), None)
+    if metadata is None:  # vLLM's warm-up and profiling passes
+        return
+    starts = metadata.query_start_loc.tolist()
+    ids = ids.cpu()
+    tap.STEP_ROUTING.extend(ids[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True))

@@ -8,6 +8,10 @@ vLLM's sampling transforms, replays :func:`~rlfw.model.distribution.process_logi
 and keeps it until the sampled token is known (one step later, or when the request leaves the batch),
 then stores that token's log-prob. Memory: one processed row per running request.
 
+MoE: the registered model publishes each step's routed expert ids per request
+(:data:`STEP_ROUTING`, in batch order); the tap appends each tracked request's share, so a request
+collects the ids of every position it fed to the model (its prompt, then each decode step's token).
+
 It runs in the process that runs the model, which the engine guarantees by running vLLM in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker). Requests opt in through
 ``SamplingParams.extra_args[TAP_KEY] = (engine_id, request_key, kernels, transforms)``; results land in
@@ -39,6 +43,7 @@ class Tracked:
     output: list[int]  # vLLM's live list of this request's output tokens
     logp: list[float] = field(default_factory=list)
     pending: Tensor | None = None  # processed log-probs of the last step whose token is not known yet
+    routing: list[Tensor] = field(default_factory=list)  # MoE: [positions fed, n_moe_layers, k] per step
 
     def resolve(self) -> None:
         """Store the log-prob of the token sampled from the pending row, once vLLM appended it."""
@@ -50,6 +55,10 @@ class Tracked:
 # engine id -> (request key, seed) -> the sample's stream. Filled by the tap; the engine pops its
 # entries after a generate call and resolves the last token (no later step may come to do it).
 RECORDS: dict[str, dict[tuple[str, int], Tracked]] = {}
+
+# The current step's expert ids per request in batch order, published by the registered MoE model's
+# forward (rlfw.rollout.vllm.model.publish_routing) just before vLLM samples from its logits.
+STEP_ROUTING: list[Tensor] = []
 
 
 class DecodeTap(LogitsProcessor):
@@ -80,7 +89,8 @@ class DecodeTap(LogitsProcessor):
             if tag is not None:
                 engine, request_key, kernels, transforms = tag
                 t = Tracked(Transforms(**transforms), kernels, output)
-                RECORDS.setdefault(engine, {})[(request_key, int(params.seed))] = t
+                seed = 0 if params.seed is None else int(params.seed)
+                RECORDS.setdefault(engine, {})[(request_key, seed)] = t
                 self.rows[index] = t
         for a, b, direction in batch_update.moved:
             ta, tb = self.rows.pop(a, None), self.rows.pop(b, None)
@@ -97,7 +107,9 @@ class DecodeTap(LogitsProcessor):
             index = torch.tensor([i for i, _ in live], device=logits.device)
             processed = process_logits(logits.index_select(0, index), first.transforms)
             logp = ops.log_softmax(processed).cpu()
-            for row, (_, t) in enumerate(live):
+            for row, (i, t) in enumerate(live):
                 t.resolve()
                 t.pending = logp[row]
+                if i < len(STEP_ROUTING):
+                    t.routing.append(STEP_ROUTING[i])
         return logits
