@@ -120,6 +120,14 @@ def shard_rows(n: int, parts: int) -> list[slice]:
     return [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
+class TrainerRankDied(RuntimeError):
+    """A trainer rank's process died (killed, out of memory, a node lost); the message names the rank."""
+
+    def __init__(self, rank: int, what: str) -> None:
+        super().__init__(f"trainer rank {rank} died during {what}")
+        self.rank = rank
+
+
 class TrainerGroup:
     """The data-parallel trainer ranks; each step's batch is split into contiguous row shards."""
 
@@ -131,6 +139,20 @@ class TrainerGroup:
             TrainerActor.options(**pool.options(r)).remote(r, pool.size, port, spec, optim, step, cpu_threads)
             for r in range(pool.size)
         ]
+        self.dead: int | None = None  # the rank that died, once one has
+
+    def _gather(self, futures: list[Any], what: str) -> list[Any]:
+        """Every rank's result, or :class:`TrainerRankDied` as soon as one rank's process is gone (the
+        others are then blocked in a collective that will never complete, so nothing waits for them)."""
+        pending = list(futures)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except RayActorError as err:
+                self.dead = futures.index(ready[0])
+                raise TrainerRankDied(self.dead, what) from err
+        return list(ray.get(futures))
 
     def train(self, batch: TrainBatch) -> TrainResult:
         if len(batch) < len(self.actors):
@@ -140,27 +162,37 @@ class TrainerGroup:
             a.train.remote(batch.rows(s), batch.num_tokens, len(batch))
             for a, s in zip(self.actors, shards, strict=True)
         ]
-        results: list[TrainResult] = ray.get(futures)
+        results: list[TrainResult] = self._gather(futures, "a training step")
         return merge_results(results, [batch.rows(s).num_tokens for s in shards])
 
     def publish(self, version: int, contract_hash: str) -> Any:
         """Gather full weights (every rank takes part); rank 0 puts them in the object store itself, so
         they never pass through the driver. Returns the reference."""
-        refs = ray.get([a.publish.remote(version, contract_hash) for a in self.actors])
+        refs = self._gather([a.publish.remote(version, contract_hash) for a in self.actors], "a publish")
         return refs[0][0]
 
     def save(self, folder: str, tag: str) -> None:
-        ray.get([a.save.remote(folder, tag) for a in self.actors])
+        self._gather([a.save.remote(folder, tag) for a in self.actors], "a checkpoint save")
 
     def load(self, folder: str, tag: str) -> None:
-        ray.get([a.load.remote(folder, tag) for a in self.actors])
+        self._gather([a.load.remote(folder, tag) for a in self.actors], "a checkpoint load")
 
     def peak_rss_mb(self) -> float:
         """The largest peak resident memory among the trainer ranks, in MiB."""
-        return max(ray.get([a.peak_rss_mb.remote() for a in self.actors]))
+        return max(self._gather([a.peak_rss_mb.remote() for a in self.actors], "a memory query"))
 
     def shutdown(self) -> None:
-        ray.get([a.shutdown.remote() for a in self.actors])
+        """Leave the process group cleanly; after a rank died, the survivors are stuck in a collective
+        (a clean exit would wait on the dead rank), so they are stopped instead."""
+        if self.dead is not None:
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            return
+        self._gather([a.shutdown.remote() for a in self.actors], "shutdown")
+
+    def kill(self, rank: int) -> None:
+        """Kill one rank's process (fault drills and tests)."""
+        ray.kill(self.actors[rank], no_restart=True)
 
 
 def merge_results(results: list[TrainResult], tokens: list[int]) -> TrainResult:

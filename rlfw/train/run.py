@@ -6,11 +6,15 @@ The loops themselves are :func:`rlfw.train.sync_loop.sync_steps` (``sync.mode=sy
 
 from __future__ import annotations
 
+import json
 import logging
+import shlex
 import shutil
 import signal
+import sys
 import threading
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -18,14 +22,14 @@ import ray
 from rlfw.compose import to_yaml
 from rlfw.config import RunConfig
 from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool, placement_fingerprints
-from rlfw.distributed.groups import RolloutGroup, TrainerGroup
+from rlfw.distributed.groups import RolloutGroup, TrainerGroup, TrainerRankDied
 from rlfw.distributed.weight_sync import make_sync
 from rlfw.logging.logger import RunLogger
 from rlfw.train.async_loop import async_steps
 from rlfw.train.checkpoint import EngineWeights, restore
 from rlfw.train.phases import Driver, StalledRun
 from rlfw.train.setup import build_setup, optim_config, settle_environment, step_spec
-from rlfw.train.state import RunState, make_run_dir
+from rlfw.train.state import STATE_FILE, RunState, make_run_dir
 from rlfw.train.sync_loop import sync_steps
 
 log = logging.getLogger("rlfw.train")
@@ -93,6 +97,14 @@ def train(run: RunConfig) -> int:
     except StalledRun as err:
         log.error("rlfw train: stopped: %s", err)
         code = 1
+    except TrainerRankDied as err:
+        log.error(
+            "rlfw train: %s; continue the run from %s with: %s",
+            err,
+            last_saved(run_dir),
+            resume_command(run_dir),
+        )
+        code = 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -100,9 +112,26 @@ def train(run: RunConfig) -> int:
         close_task = getattr(setup.task, "close", None)  # task=dataset's reward workers
         if close_task is not None:
             close_task()
-        trainer.shutdown()
-        ray.shutdown()
+        try:
+            trainer.shutdown()
+        finally:
+            ray.shutdown()
     return code
+
+
+def last_saved(run_dir: Path) -> str:
+    """Where ``resume=true`` would continue from, in words."""
+    state = run_dir / STATE_FILE
+    return f"the checkpoint of step {json.loads(state.read_text())['step']}" if state.is_file() else "step 0"
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that continues this run: this process's ``rlfw train`` arguments with the run's folder
+    named and ``resume=true``."""
+    args = sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "train" else []
+    keep = [a for a in args if not a.startswith(("resume=", "logger.run_name=", "logger.run_root="))]
+    where = [f"logger.run_root={run_dir.parent}", f"logger.run_name={run_dir.name}", "resume=true"]
+    return shlex.join(["rlfw", "train", *keep, *where])
 
 
 class Terminated(KeyboardInterrupt):

@@ -58,11 +58,37 @@ def run_train(root: Path, name: str, *overrides: str, timeout: float = 600) -> R
     return Run(out.returncode, out.stdout + out.stderr, root / name)
 
 
+def trainer_ranks(driver_pid: int) -> list[int]:
+    """The pids of a run's trainer rank processes: Ray's workers of the run's own session (the driver
+    leads it) titled ``ray::TrainerWorker``."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        pid, sid, args = line.split(maxsplit=2)
+        if int(sid) == driver_pid and args.startswith("ray::TrainerWorker"):
+            found.append(int(pid))
+    return found
+
+
+def kill_a_trainer_rank(driver_pid: int) -> None:
+    """SIGKILL one trainer rank of the run (a rank lost to the OOM killer or a failed node)."""
+    ranks = trainer_ranks(driver_pid)
+    assert ranks, "the run has no trainer rank process to kill"
+    os.kill(ranks[-1], signal.SIGKILL)
+
+
 def run_until(
-    root: Path, name: str, overrides: list[str], ready: Callable[[Path], bool], sig: int, timeout: float = 600
+    root: Path,
+    name: str,
+    overrides: list[str],
+    ready: Callable[[Path], bool],
+    sig: int,
+    timeout: float = 600,
+    act: Callable[[int], None] | None = None,
 ) -> Run:
     """Start a run and send ``sig`` once ``ready(run_dir)``: SIGINT to the driver alone (a user's Ctrl-C),
-    SIGKILL to its whole process group (the machine going away)."""
+    SIGKILL to its whole process group (the machine going away); or, with ``act``, call it with the
+    driver's pid instead (e.g. :func:`kill_a_trainer_rank`)."""
     log_path = root / f"{name}.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
@@ -76,7 +102,9 @@ def run_until(
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and proc.poll() is None:
                 if ready(root / name):
-                    if sig == signal.SIGKILL:
+                    if act is not None:
+                        act(proc.pid)
+                    elif sig == signal.SIGKILL:
                         os.killpg(proc.pid, sig)
                     else:
                         os.kill(proc.pid, sig)

@@ -6,8 +6,11 @@ If one of these breaks, the main job no longer does what the README promises a u
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from tests.train._run import (
     SMALL,
     Run,
     comparable,
+    env,
+    kill_a_trainer_rank,
     run_train,
     run_until,
     state_step_at_least,
@@ -173,6 +178,35 @@ def test_resume_after_kill_gives_the_same_metrics(root: Path) -> None:
     after = resumed.metrics()
     assert [r["step"] for r in after] == list(range(6))
     for a, b in zip(whole.metrics()[4:], after[4:], strict=True):
+        assert comparable(a) == comparable(b)
+
+
+@pytest.mark.slow
+def test_a_dead_trainer_rank_stops_the_run_with_the_resume_command(root: Path) -> None:
+    """A trainer rank killed mid-run (two ranks; the survivor is stuck in a collective): one line naming
+    the rank and the command that continues the run, exit 1, no traceback; that command then finishes
+    the run with the metrics of an uninterrupted one."""
+    args = [*SMALL, "trainer.num_ranks=2", "trainer.steps=6", "trainer.checkpoint_every=2"]
+    whole = run_train(root, "whole_2ranks", *args)
+    assert whole.returncode == 0, whole.log[-3000:]
+    dead = run_until(root, "rank_died", args, state_step_at_least(1), 0, act=kill_a_trainer_rank)
+    assert dead.returncode == 1, dead.log[-3000:]
+    (line,) = [line for line in dead.log.splitlines() if "rlfw train: trainer rank" in line]
+    assert " died during " in line and "continue the run from the checkpoint of step" in line
+    assert "Traceback" not in dead.log
+    command = shlex.split(line.split(" with: ", 1)[1])
+    assert command[:2] == ["rlfw", "train"] and command[-1] == "resume=true"
+    resumed = subprocess.run(
+        [str(Path(sys.executable).with_name("rlfw")), *command[1:]],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = dead.metrics()
+    assert [r["step"] for r in after] == list(range(6))
+    for a, b in zip(whole.metrics(), after, strict=True):
         assert comparable(a) == comparable(b)
 
 
