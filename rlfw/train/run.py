@@ -6,6 +6,7 @@ The loops themselves are :func:`rlfw.train.sync_loop.sync_steps` (``sync.mode=sy
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shlex
@@ -26,7 +27,7 @@ from rlfw.distributed.groups import RolloutGroup, TrainerGroup, TrainerRankDied
 from rlfw.distributed.weight_sync import make_sync
 from rlfw.logging.logger import RunLogger
 from rlfw.train.async_loop import async_steps
-from rlfw.train.checkpoint import EngineWeights, restore
+from rlfw.train.checkpoint import CheckpointFailed, EngineWeights, restore
 from rlfw.train.phases import Driver, StalledRun
 from rlfw.train.setup import build_setup, optim_config, settle_environment, step_spec
 from rlfw.train.state import STATE_FILE, RunState, make_run_dir
@@ -91,11 +92,28 @@ def train(run: RunConfig) -> int:
     except KeyboardInterrupt as stop:
         what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
         log.warning("%s: saving a checkpoint at step %d before exiting", what, driver.state.step)
-        if driver.state.step >= 0:
-            driver.checkpoint()
         code = 143 if isinstance(stop, Terminated) else 130
+        if driver.state.step >= 0:
+            try:
+                driver.checkpoint()
+            except CheckpointFailed as err:
+                log.error("rlfw train: %s", err)
+    except CheckpointFailed as err:
+        log.error("rlfw train: stopped: %s", err)
+        code = 1
     except StalledRun as err:
         log.error("rlfw train: stopped: %s", err)
+        code = 1
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        log.error(
+            "rlfw train: stopped: no space left on the disk holding %s; free some space, then continue "
+            "from %s with: %s",
+            err.filename or run_dir,
+            last_saved(run_dir),
+            resume_command(run_dir),
+        )
         code = 1
     except TrainerRankDied as err:
         log.error(
