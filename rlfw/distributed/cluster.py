@@ -74,6 +74,10 @@ def init_ray(num_rollout: int, num_trainer: int, address: str | None = None) -> 
         log_to_driver=True,
         _node_ip_address="127.0.0.1",
     )
+    from rlfw.distributed import reaper
+
+    node: Any = ray._private.worker._global_node  # the local node this driver started
+    reaper.start(os.getpid(), [info.process.pid for infos in node.all_processes.values() for info in infos])
 
 
 @dataclass

@@ -70,6 +70,14 @@ def trainer_ranks(driver_pid: int) -> list[int]:
     return found
 
 
+def session_processes(driver_pid: int) -> list[str]:
+    """``pid args`` of every process left in the session the driver led (its Ray included)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True, check=True).stdout
+    rows = [line.split(maxsplit=2) for line in out.splitlines()]
+    mine = [r for r in rows if int(r[1]) == driver_pid and int(r[0]) != driver_pid]
+    return [f"{r[0]} {r[2] if len(r) > 2 else ''}" for r in mine]
+
+
 def kill_a_trainer_rank(driver_pid: int) -> None:
     """SIGKILL one trainer rank of the run (a rank lost to the OOM killer or a failed node)."""
     ranks = trainer_ranks(driver_pid)

@@ -6,11 +6,7 @@ If one of these breaks, the main job no longer does what the README promises a u
 from __future__ import annotations
 
 import json
-import shlex
-import signal
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +18,7 @@ from rlfw.logging.wandb_reader import read_offline_run
 from tests.train._run import (
     SMALL,
     Run,
-    comparable,
-    env,
-    kill_a_trainer_rank,
     run_train,
-    run_until,
-    state_step_at_least,
-    steps_logged_at_least,
 )
 
 
@@ -167,71 +157,6 @@ def test_ppo_runs_with_a_critic(root: Path) -> None:
 
 
 @pytest.mark.slow
-def test_resume_after_kill_gives_the_same_metrics(root: Path) -> None:
-    args = [*SMALL, "trainer.steps=6", "trainer.checkpoint_every=2"]
-    whole = run_train(root, "whole", *args)
-    assert whole.returncode == 0, whole.log[-3000:]
-    killed = run_until(root, "killed", args, state_step_at_least(3), signal.SIGKILL)
-    assert killed.returncode == -signal.SIGKILL
-    resumed = run_train(root, "killed", *args, "resume=true")
-    assert resumed.returncode == 0, resumed.log[-3000:]
-    after = resumed.metrics()
-    assert [r["step"] for r in after] == list(range(6))
-    for a, b in zip(whole.metrics()[4:], after[4:], strict=True):
-        assert comparable(a) == comparable(b)
-
-
-@pytest.mark.slow
-def test_a_dead_trainer_rank_stops_the_run_with_the_resume_command(root: Path) -> None:
-    """A trainer rank killed mid-run (two ranks; the survivor is stuck in a collective): one line naming
-    the rank and the command that continues the run, exit 1, no traceback; that command then finishes
-    the run with the metrics of an uninterrupted one."""
-    args = [*SMALL, "trainer.num_ranks=2", "trainer.steps=6", "trainer.checkpoint_every=2"]
-    whole = run_train(root, "whole_2ranks", *args)
-    assert whole.returncode == 0, whole.log[-3000:]
-    dead = run_until(root, "rank_died", args, state_step_at_least(1), 0, act=kill_a_trainer_rank)
-    assert dead.returncode == 1, dead.log[-3000:]
-    (line,) = [line for line in dead.log.splitlines() if "rlfw train: trainer rank" in line]
-    assert " died during " in line and "continue the run from the checkpoint of step" in line
-    assert "Traceback" not in dead.log
-    command = shlex.split(line.split(" with: ", 1)[1])
-    assert command[:2] == ["rlfw", "train"] and command[-1] == "resume=true"
-    resumed = subprocess.run(
-        [str(Path(sys.executable).with_name("rlfw")), *command[1:]],
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = dead.metrics()
-    assert [r["step"] for r in after] == list(range(6))
-    for a, b in zip(whole.metrics(), after, strict=True):
-        assert comparable(a) == comparable(b)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("sig", "code", "said"),
-    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
-    ids=["ctrl-c", "sigterm"],
-)
-def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit_cleanly(
-    root: Path, sig: int, code: int, said: str
-) -> None:
-    """SIGTERM is what SLURM and Kubernetes send before killing a job. The run cannot end before the
-    signal lands (it has far more steps than the test waits for): the test waits on its state."""
-    name = f"stopped_{code}"
-    overrides = [*SMALL, "trainer.steps=100000", "trainer.checkpoint_every=100000"]
-    run = run_until(root, name, overrides, steps_logged_at_least(2), sig)
-    assert run.returncode == code, run.log[-3000:]
-    assert f"{said}: saving a checkpoint" in run.log
-    state = json.loads((run.run_dir / "run_state.json").read_text())
-    assert state["tag"].startswith("step") and state["step"] >= 1
-    assert len(run.metrics()) == state["step"] + 1  # every logged step is in the checkpoint
-
-
-@pytest.mark.slow
 def test_router_replay_with_vllm_trains_on_the_experts_vllm_chose(root: Path) -> None:
     """R3 with engine=vllm: the shared MoE model inside vLLM records its routing, the trainer replays it;
     under the contract every factor is exactly 1 and no replayed expert differs from the trainer's own."""
@@ -250,19 +175,6 @@ def test_router_replay_with_vllm_trains_on_the_experts_vllm_chose(root: Path) ->
     for row in rows:
         assert row["router/replay_mismatch_frac"] == 0.0
         assert row["ratio/total/max_abs_log"] == 0.0
-
-
-@pytest.mark.slow
-def test_a_diverging_run_skips_its_updates_and_stops_with_the_fix(root: Path) -> None:
-    """``trainer.lr=1e3``: after the first update the gradients are no longer finite; those updates are
-    skipped (said in the log and in each step's row) and the third in a row stops the run, exit 1."""
-    run = run_train(root, "diverge", *SMALL, "trainer.lr=1e3", "trainer.steps=12")
-    assert run.returncode == 1, run.log[-3000:]
-    assert "steps in a row had non-finite gradients" in run.log and "lower trainer.lr" in run.log
-    rows = run.metrics()
-    skipped = [r["step"] for r in rows if r.get("train/skipped_nonfinite") == 1.0]
-    assert len(skipped) == 3 and skipped == list(range(skipped[0], skipped[0] + 3))
-    assert rows[-1]["step"] == skipped[-1] < 11
 
 
 @pytest.mark.slow
