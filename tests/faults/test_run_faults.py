@@ -152,3 +152,29 @@ def test_a_killed_driver_leaves_no_ray_process_behind(root: Path) -> None:
     resumed = run_train(root, "driver_killed", *SMALL, *more)
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert [r["step"] for r in resumed.metrics()] == list(range(4))
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_get_their_own_folders_and_both_complete(tmp_path: Path) -> None:
+    """Two unnamed runs of one config started at once in one run root (the same second, the same
+    warm-start cache): separate folders, each with its own metrics (identical, as the config is), both
+    exit 0."""
+    procs = [
+        subprocess.Popen(
+            [str(Path(sys.executable).with_name("rlfw")), "train", f"logger.run_root={tmp_path}", *SMALL]
+            + ["trainer.steps=2"],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [log[-2000:] for log in logs]
+    folders = sorted(f for f in tmp_path.iterdir() if f.is_dir() and not f.name.startswith("."))
+    assert len(folders) == 2
+    rows = [[json.loads(line) for line in (f / "metrics.jsonl").read_text().splitlines()] for f in folders]
+    assert [[r["step"] for r in run] for run in rows] == [[0, 1], [0, 1]]
+    assert [comparable(r) for r in rows[0]] == [comparable(r) for r in rows[1]]  # same config, same run
