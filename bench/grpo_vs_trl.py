@@ -18,6 +18,9 @@ the first (which compiles and warms up). Sides:
   take turns, so each uses every core (as TRL's single process does);
 * ``rlfw-async``: the same with ``sync=async`` (generation of step t+1 overlaps training on step t, so
   the two pools work at once), with ``correction=dlc``, the correction an async run would use.
+* ``rlfw-async-allcores``: ``rlfw-async`` with every pool's kernels on every core
+  (``engine.cpu_threads=0 trainer.cpu_threads=0``): whichever phase finishes first leaves its core to
+  the other.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def rlfw_side(folder: Path, root: Path, steps: int, mode: str) -> list[float]:
     ]
     if mode == "async":
         overrides += ["sync=async", "correction=dlc"]
+    elif mode == "async-allcores":
+        overrides += ["sync=async", "correction=dlc", "engine.cpu_threads=0", "trainer.cpu_threads=0"]
     elif mode == "sync-allcores":
         overrides += ["engine.cpu_threads=0", "trainer.cpu_threads=0"]
     elif mode != "sync":
