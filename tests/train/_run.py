@@ -145,3 +145,19 @@ def _reap_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def bare_driver(run_dir: Path, *overrides: str) -> Any:
+    """A :class:`~rlfw.train.phases.Driver` with the composed config and a real logger into ``run_dir``,
+    and nothing else (no pools, no setup): for the loop's bookkeeping (skipped steps, non-finite ones)."""
+    from typing import cast
+
+    from rlfw.compose import load_config
+    from rlfw.logging.logger import RunLogger
+    from rlfw.train.phases import Driver
+    from rlfw.train.state import RunState
+
+    logger = RunLogger(run_dir, False, "disabled", "p", "r", {})
+    none = cast(Any, None)
+    start = RunState(-1, 0, "", 0)
+    return Driver(load_config(list(overrides)), none, none, none, none, logger, run_dir, start)

@@ -8,25 +8,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, cast
 
 import pytest
 
 from rlfw.compose import load_config
-from rlfw.logging.logger import RunLogger
-from rlfw.train.phases import Driver, StalledRun, skip_step
-from rlfw.train.state import RunState
-
-
-def _driver(tmp_path: Path, limit: int) -> Driver:
-    run = load_config([f"trainer.max_skipped_steps={limit}"])
-    logger = RunLogger(tmp_path, False, "disabled", "p", "r", {})
-    none = cast(Any, None)
-    return Driver(run, none, none, none, none, logger, tmp_path, RunState(-1, 0, "", 0))
+from rlfw.train.phases import StalledRun, skip_step
+from tests.train._run import bare_driver
 
 
 def test_skipped_steps_are_logged_and_k_in_a_row_stop_the_run(tmp_path: Path) -> None:
-    d = _driver(tmp_path, limit=3)
+    d = bare_driver(tmp_path, "trainer.max_skipped_steps=3")
     skip_step(d, 0, 16, 16, 0)
     skip_step(d, 1, 16, 10, 6)
     d.skipped_in_a_row = 0  # a step trained in between (train_on resets the count)

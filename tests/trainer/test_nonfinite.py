@@ -12,15 +12,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, cast
 
 import pytest
 
-from rlfw.compose import load_config
 from rlfw.distributed.cluster import SUBPROCESS_ENV
-from rlfw.logging.logger import RunLogger
-from rlfw.train.phases import Driver, StalledRun, check_finite
-from rlfw.train.state import RunState
+from rlfw.train.phases import StalledRun, check_finite
+from tests.train._run import bare_driver
 
 # One rank of DeepSpeed in a fresh process (its process group is process-wide): a finite step, a step
 # with a NaN gradient, a finite step again; prints whether each was skipped and whether weights moved.
@@ -71,15 +68,8 @@ def test_a_nonfinite_step_is_skipped_and_the_next_one_trains(stage: int, precisi
     assert not after["skipped"] and after["moved"] and after["finite"]
 
 
-def _driver(tmp_path: Path, limit: int) -> Driver:
-    run = load_config([f"trainer.max_skipped_steps={limit}"])
-    logger = RunLogger(tmp_path, False, "disabled", "p", "r", {})
-    none = cast(Any, None)
-    return Driver(run, none, none, none, none, logger, tmp_path, RunState(-1, 0, "", 0))
-
-
 def test_k_nonfinite_steps_in_a_row_stop_the_run_with_the_fix(tmp_path: Path) -> None:
-    d = _driver(tmp_path, limit=2)
+    d = bare_driver(tmp_path, "trainer.max_skipped_steps=2")
     bad = {"train/skipped_nonfinite": 1.0, "grad_norm": float("nan"), "loss/policy": float("nan")}
     check_finite(d, 0, bad)
     check_finite(d, 1, {"train/skipped_nonfinite": 0.0, "grad_norm": 0.5})  # a good step resets the count
