@@ -50,7 +50,7 @@ def make_run_dir(root: str, name: str | None, resume: bool) -> RunDir:
         for i in itertools.count():
             folder = base / (stamp if i == 0 else f"{stamp}-{i}")
             try:
-                folder.mkdir(parents=True)
+                _mkdir(folder, root)
             except FileExistsError:
                 continue
             return RunDir(folder, resuming=False, created=True)
@@ -59,10 +59,10 @@ def make_run_dir(root: str, name: str | None, resume: bool) -> RunDir:
         if (folder / STATE_FILE).is_file():
             return RunDir(folder, resuming=True, created=False)
         created = not folder.exists()
-        folder.mkdir(parents=True, exist_ok=True)
+        _mkdir(folder, root, exist_ok=True)
         return RunDir(folder, resuming=False, created=created)
     try:
-        folder.mkdir(parents=True)
+        _mkdir(folder, root)
     except FileExistsError:
         saved = (
             "its last checkpoint" if (folder / STATE_FILE).is_file() else "the start (it saved no checkpoint)"
@@ -72,6 +72,22 @@ def make_run_dir(root: str, name: str | None, resume: bool) -> RunDir:
             "or pick another logger.run_name"
         ) from None
     return RunDir(folder, resuming=False, created=True)
+
+
+def _mkdir(folder: Path, root: str, exist_ok: bool = False) -> None:
+    """``folder.mkdir(parents=True)``; a run root that cannot hold it (not writable, a file in the way, a
+    full disk) is the config's problem, named by its key."""
+    from rlfw.config import ConfigError
+
+    try:
+        folder.mkdir(parents=True, exist_ok=exist_ok)
+    except FileExistsError:
+        raise
+    except OSError as err:
+        raise ConfigError(
+            f"logger.run_root={root}: cannot create the run folder {folder} ({err.strerror}); "
+            "pass a folder you can write to"
+        ) from None
 
 
 def write_state(folder: Path, state: RunState) -> None:

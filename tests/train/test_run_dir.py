@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlfw.compose import load_config
+from rlfw.config import ConfigError
 from rlfw.train.run import train
 from rlfw.train.state import STATE_FILE, make_run_dir
 
@@ -58,3 +59,10 @@ def test_a_run_that_fails_its_checks_leaves_no_folder(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="config.json"):
         train(run)
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_run_root_that_cannot_hold_folders_names_the_key(tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("")
+    for name in (None, "named"):
+        with pytest.raises(ConfigError, match=r"^logger\.run_root=.*a_file/runs: cannot create the run"):
+            make_run_dir(str(tmp_path / "a_file" / "runs"), name, False)
