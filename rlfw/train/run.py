@@ -7,7 +7,6 @@ The loops themselves are :func:`rlfw.train.sync_loop.sync_steps` (``sync.mode=sy
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import shlex
 import shutil
@@ -30,7 +29,7 @@ from rlfw.train.async_loop import async_steps
 from rlfw.train.checkpoint import CheckpointFailed, EngineWeights, restore
 from rlfw.train.phases import Driver, StalledRun
 from rlfw.train.setup import build_setup, optim_config, settle_environment, step_spec
-from rlfw.train.state import STATE_FILE, RunState, make_run_dir
+from rlfw.train.state import STATE_FILE, RunState, make_run_dir, read_state
 from rlfw.train.sync_loop import sync_steps
 
 log = logging.getLogger("rlfw.train")
@@ -139,8 +138,9 @@ def train(run: RunConfig) -> int:
 
 def last_saved(run_dir: Path) -> str:
     """Where ``resume=true`` would continue from, in words."""
-    state = run_dir / STATE_FILE
-    return f"the checkpoint of step {json.loads(state.read_text())['step']}" if state.is_file() else "step 0"
+    if not (run_dir / STATE_FILE).is_file():
+        return "step 0"
+    return f"the checkpoint of step {read_state(run_dir).step}"
 
 
 def resume_command(run_dir: Path) -> str:

