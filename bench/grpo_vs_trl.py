@@ -21,6 +21,11 @@ the first (which compiles and warms up). Sides:
 * ``rlfw-async-allcores``: ``rlfw-async`` with every pool's kernels on every core
   (``engine.cpu_threads=0 trainer.cpu_threads=0``): whichever phase finishes first leaves its core to
   the other.
+* ``rlfw-async-2ranks``: ``rlfw-async`` with two data-parallel trainer ranks of one thread each (three
+  single-threaded processes share the two cores, so the engine's idle time goes to the trainer);
+* ``rlfw-async-noprefill`` and ``rlfw-async-2ranks-noprefill``: the same with
+  ``engine.prefill_fraction=0`` (sampler, decode and trainer streams on every token, no prefill stream;
+  allowed because the contract claims prefill and decode bitwise equal here).
 """
 
 from __future__ import annotations
@@ -51,6 +56,20 @@ def write_model(folder: Path) -> None:
     build_tiny_tokenizer().save_pretrained(folder)
 
 
+ASYNC = ["sync=async", "correction=dlc"]
+ALL_CORES = ["engine.cpu_threads=0", "trainer.cpu_threads=0"]
+NO_PREFILL = ["engine.prefill_fraction=0"]
+SIDES = {  # rlfw side -> its overrides on top of the shared ones
+    "sync": [],
+    "sync-allcores": ALL_CORES,
+    "async": ASYNC,
+    "async-allcores": ASYNC + ALL_CORES,
+    "async-2ranks": [*ASYNC, "trainer.num_ranks=2"],
+    "async-noprefill": ASYNC + NO_PREFILL,
+    "async-2ranks-noprefill": [*ASYNC, "trainer.num_ranks=2", *NO_PREFILL],
+}
+
+
 def rlfw_side(folder: Path, root: Path, steps: int, mode: str) -> list[float]:
     from rlfw.distributed.cluster import SUBPROCESS_ENV
 
@@ -74,14 +93,9 @@ def rlfw_side(folder: Path, root: Path, steps: int, mode: str) -> list[float]:
         f"logger.run_root={root}",
         f"logger.run_name={name}",
     ]
-    if mode == "async":
-        overrides += ["sync=async", "correction=dlc"]
-    elif mode == "async-allcores":
-        overrides += ["sync=async", "correction=dlc", "engine.cpu_threads=0", "trainer.cpu_threads=0"]
-    elif mode == "sync-allcores":
-        overrides += ["engine.cpu_threads=0", "trainer.cpu_threads=0"]
-    elif mode != "sync":
-        raise SystemExit(f"unknown side rlfw-{mode}")
+    if mode not in SIDES:
+        raise SystemExit(f"unknown side rlfw-{mode}; known: {', '.join('rlfw-' + m for m in SIDES)}")
+    overrides += SIDES[mode]
     cmd = [str(Path(sys.executable).with_name("rlfw")), "train", *overrides]
     proc = subprocess.run(cmd, env=os.environ | SUBPROCESS_ENV, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -180,7 +194,11 @@ def main() -> None:
                 steps[side] += times[1:]  # the first step compiles and warms up
                 print(side, [round(t, 2) for t in times], flush=True)
     s_per_step = {side: statistics.median(ts) for side, ts in steps.items()}
-    ratios = {f"{s}/trl (steps per second)": s_per_step["trl"] / s_per_step[s] for s in steps if s != "trl"}
+    ratios = {
+        f"{s}/trl (steps per second)": s_per_step["trl"] / s_per_step[s]
+        for s in steps
+        if s != "trl" and "trl" in s_per_step
+    }
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "trl_threads": a.trl_threads,

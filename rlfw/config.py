@@ -122,10 +122,6 @@ class EngineConfig:
                 f"engine=vllm samples from fp32 logits; engine.sampler.precision={self.sampler.precision!r} "
                 "is a built-in-engine feature: use engine=native or engine.sampler.precision=fp32"
             )
-        if self.name == "vllm" and self.in_flight:
-            raise ConfigError(
-                "engine=vllm loads weights between requests; engine.in_flight=true needs engine=native"
-            )
 
 
 @dataclass

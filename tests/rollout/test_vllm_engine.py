@@ -305,3 +305,64 @@ def test_the_entry_point_registers_the_shared_model_in_vllm() -> None:
     (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "rlfw"]
     plugin.load()()  # what vLLM does in every process it starts
     assert "RlfwForCausalLM" in ModelRegistry.get_supported_archs()
+
+
+UPDATE_AFTER = 3  # engine steps: every response has 3 tokens drawn at version 0, the rest at version 1
+
+
+def in_flight_cfg(kv_policy: str) -> EngineConfig:
+    return dataclasses.replace(engine_cfg(), in_flight=True, kv_policy=kv_policy)
+
+
+@pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
+def test_in_flight_update_lands_between_steps(
+    ckpts: dict[str, tuple[Transformer, Path]], kv_policy: str
+) -> None:
+    """An update loaded between two of vLLM's steps reaches the running requests: tokens after it carry
+    version 1. ``keep`` continues on the K/V of version 0 (so their decode stream differs from the new
+    weights' on fresh K/V); ``recompute`` has vLLM prefill every running request again, so each token's
+    decode stream is the trainer's at the token's own version, bit for bit, across the update."""
+    (model_a, path_a), (model_b, _) = ckpts["a"], ckpts["b"]
+    e = VllmEngine(str(path_a), in_flight_cfg(kv_policy), contract_hash="h")
+    caching = e.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    assert caching == (kv_policy == "recompute"), "a kept stale block must never be served from the cache"
+    state = {k: v.detach().clone() for k, v in model_b.named_parameters()}
+    steps = [0]
+
+    def update(engine: object) -> None:
+        assert engine is e
+        steps[0] += 1
+        if steps[0] == UPDATE_AFTER:
+            e.update_weights(WeightUpdate(version=1, contract_hash="h", state_dict=state))
+
+    req = GenerationRequest([1, 2, 3], prompts([4, 7, 2]), n=2, max_new_tokens=8, seed=9)
+    samples = e.generate(req, between_steps=update)
+    e.shutdown()
+    assert steps[0] > UPDATE_AFTER and e.version == 1
+    t = PLAIN.transforms()
+    for s in samples:
+        assert s.response_T.shape[0] == 8 and s.final_version == 1
+        assert s.version_T.tolist() == [0] * UPDATE_AFTER + [1] * (8 - UPDATE_AFTER)
+        pre, post = s.version_T == 0, s.version_T == 1
+        old, new = trainer_logp(model_a, s, t), trainer_logp(model_b, s, t)
+        assert torch.equal(s.decode_logp[pre], old[pre]) and torch.equal(s.sampler_logp, s.decode_logp)
+        assert torch.equal(s.prefill_logp, new), "the prefill stream is at the final version"
+        if kv_policy == "keep":
+            assert (s.kv_version_T == 0).all(), "the running request kept the K/V of version 0"
+            assert not torch.equal(s.decode_logp[post], new[post]), "stale K/V shows in the decode stream"
+        else:
+            assert torch.equal(s.kv_version_T, s.version_T), "recomputed K/V is at the token's version"
+            assert torch.equal(s.decode_logp[post], new[post])
+
+
+def test_an_update_inside_a_generation_needs_in_flight(ckpts: dict[str, tuple[Transformer, Path]]) -> None:
+    (_, path_a), (model_b, _) = ckpts["a"], ckpts["b"]
+    e = VllmEngine(str(path_a), engine_cfg())
+    state = {k: v.detach().clone() for k, v in model_b.named_parameters()}
+
+    def update(engine: object) -> None:
+        e.update_weights(state, version=1)
+
+    with pytest.raises(RuntimeError, match="in_flight=true"):
+        e.generate(GenerationRequest([1], prompts([5]), n=1, max_new_tokens=6, seed=1), between_steps=update)
+    e.shutdown()

@@ -199,15 +199,18 @@ def test_dlc_runs_end_to_end_in_async_mode(root: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["native", "vllm"])
 @pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
-def test_in_flight_updates_end_to_end(root: Path, kv_policy: str) -> None:
+def test_in_flight_updates_end_to_end(root: Path, engine: str, kv_policy: str) -> None:
     """engine.in_flight=true: pushes land inside the generation in flight (long responses make sure of
     it), samples carry two versions, and on tokens drawn at their sequence's final version the decode
-    factor is the KV cache alone: exactly 0 recomputed, non-zero kept stale."""
+    factor is the KV cache alone: exactly 0 recomputed, non-zero kept stale. In the built-in engine and
+    in vLLM (driven step by step, its running requests preempted and prefilled again to recompute)."""
     run = run_train(
         root,
-        f"in_flight_{kv_policy}",
+        f"in_flight_{engine}_{kv_policy}",
         *SMALL,
+        f"engine={engine}",
         "algo.prompts_per_step=8",
         "algo.group_size=8",
         "engine.max_new_tokens=48",

@@ -20,7 +20,16 @@ GRPO groups are vLLM's ``n``: a prompt's request is seeded from (round seed, pro
 child ``i`` that seed plus ``i``, so a sample does not depend on which actor or batch produced it.
 Weights: :meth:`VllmEngine.update_weights` checks the contract hash and the tensor names, reloads in
 place (``collective_rpc("reload_weights")``) and resets the prefix cache, whose blocks hold K/V of the
-old weights (the contract's state obligation). Updates land between requests only.
+old weights (the contract's state obligation).
+
+In-flight updates (``engine.in_flight=true``, PipelineRL style): the engine drives vLLM's engine one step
+at a time itself (what ``LLM.generate`` does inside), and ``between_steps`` may load weights between two
+steps without draining the running requests. With ``kv_policy=keep`` they continue on the K/V the old
+weights wrote (prefix caching is then off, so no request is ever served stale cached blocks); with
+``recompute`` vLLM preempts every running request and resets the prefix cache
+(``reset_prefix_cache(reset_running_requests=True)``), so each is prefilled again under the new weights,
+its seeded generator carried over. Every token records the version that drew it and the oldest version
+in the K/V it attended to (:meth:`~rlfw.rollout.vllm.tap.Tracked.stamp`), as in the built-in engine.
 
 vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker), which the decode tap
 needs; on CPU that is also the only supported mode.
@@ -48,6 +57,7 @@ from rlfw.types import GenerationRequest, Sample, WeightUpdate
 
 if TYPE_CHECKING:
     from rlfw.config import EngineConfig
+    from rlfw.rollout.vllm.tap import Tracked
 
 SEED_SPACE = 2**62  # request seeds; vLLM adds the sample index for the n children
 
@@ -61,11 +71,13 @@ def llm_options(
     the processed distribution, any number of top-k log-probs. ``engine.vllm.model=rlfw`` swaps in the
     shared model through ``hf_overrides``; for an MoE model it records the routed experts of every
     position a request feeds, which a prompt served from the prefix cache would skip, so prefix caching
-    is then off.
+    is then off. It is off too with in-flight updates under ``kv_policy=keep``: running requests keep
+    blocks of the old weights, which a later request must not be served from the cache.
     """
     from rlfw.rollout.vllm.model import ARCHITECTURE, KERNELS_KEY
 
     settings = engine_cfg.vllm
+    stale_blocks = engine_cfg.in_flight and engine_cfg.kv_policy == "keep"
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib),
@@ -77,7 +89,7 @@ def llm_options(
         "max_model_len": engine_cfg.max_model_len,
         "max_num_seqs": engine_cfg.max_slots,
         "enforce_eager": settings.enforce_eager,
-        "enable_prefix_caching": not (moe and settings.model == "rlfw"),
+        "enable_prefix_caching": not (moe and settings.model == "rlfw") and not stale_blocks,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
         "logprobs_mode": "processed_logprobs",
         "max_logprobs": -1,
@@ -147,6 +159,8 @@ class VllmEngine:
         self.stop_ids, self.seed, self.topk = list(stop_ids), engine_cfg.seed, s.topk_logprobs
         self.max_model_len = engine_cfg.max_model_len
         self.prefill_fraction = engine_cfg.prefill_fraction
+        self.in_flight, self.kv_policy = engine_cfg.in_flight, engine_cfg.kv_policy
+        self._stepping = False  # inside a generation loop (an update then lands in flight)
         self.contract_hash, self._version = contract_hash, version
         self.id = uuid.uuid4().hex  # this engine's records in the tap
         self.rounds = 0
@@ -157,13 +171,35 @@ class VllmEngine:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.shared_numerics = vllm_shares_numerics(kernels, self.model_impl, device)
 
-    def _run(self, prompts: list[Any], params: Any, transforms: Transforms | None = None) -> list[Any]:
-        """``LLM.generate`` with the shared log-softmax (of the rows after ``transforms``, when given) in
-        place when the engine shares the numerics."""
+    def _run(
+        self,
+        prompts: list[Any],
+        params: Any,
+        transforms: Transforms | None = None,
+        between_steps: Callable[[], None] | None = None,
+    ) -> list[Any]:
+        """What ``LLM.generate`` does (enqueue, step until done, outputs in request order), with the
+        shared log-softmax (of the rows after ``transforms``, when given) in place when the engine shares
+        the numerics. After every step the tracked requests' new tokens are stamped with the version and,
+        while requests remain, ``between_steps`` runs (it may load weights: an in-flight update)."""
         from rlfw.rollout.vllm.attention import shared_log_softmax
+        from rlfw.rollout.vllm.tap import RECORDS
 
+        engine, done = self.llm.llm_engine, []
+        records = RECORDS.setdefault(self.id, {})
         with shared_log_softmax(self.shared_numerics, transforms):
-            return list(self.llm.generate(prompts, params, use_tqdm=False))
+            self.llm.enqueue(prompts, params, use_tqdm=False)
+            self._stepping = True
+            try:
+                while engine.has_unfinished_requests():
+                    done += [out for out in engine.step() if out.finished]
+                    for tracked in records.values():
+                        tracked.stamp(self._version)
+                    if between_steps is not None and engine.has_unfinished_requests():
+                        between_steps()
+            finally:
+                self._stepping = False
+        return sorted(done, key=lambda out: int(out.request_id))
 
     @classmethod
     def from_config(
@@ -201,12 +237,10 @@ class VllmEngine:
     def generate(
         self, request: GenerationRequest, *, between_steps: Callable[[Engine], None] | None = None
     ) -> list[Sample]:
-        """Run a request to completion; samples come back prompt-major, in sample order. vLLM runs the
-        request inside one call, so nothing can land between its steps (``between_steps`` is refused)."""
-        if between_steps is not None:
-            raise NotImplementedError(
-                "engine=vllm loads weights between requests only; in-flight updates need engine=native"
-            )
+        """Run a request to completion; samples come back prompt-major, in sample order.
+
+        ``between_steps(engine)`` runs after every engine step that leaves requests unfinished; it may
+        call :meth:`update_weights` (an in-flight update when ``engine.in_flight=true``)."""
         from vllm.inputs import TokensPrompt
 
         from rlfw.rollout.vllm.tap import RECORDS
@@ -232,7 +266,8 @@ class VllmEngine:
                     request.greedy,
                 )
             )
-        outputs = self._run(prompts, params)
+        hook = None if between_steps is None else (lambda: between_steps(self))
+        outputs = self._run(prompts, params, between_steps=hook)
         records = RECORDS.setdefault(self.id, {})
         samples: list[Sample] = []
         fed: list[list[Tensor]] = []  # per sample, the expert ids of each step (MoE)
@@ -240,7 +275,7 @@ class VllmEngine:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 tracked = records.pop((f"{tag}:{pid}", p.seed + c.index))
                 tracked.resolve()
-                samples.append(self._sample(pid, c, prompt, tracked.logp))
+                samples.append(self._sample(pid, c, prompt, tracked))
                 fed.append(tracked.routing)
         chosen = []
         for s in samples:
@@ -280,9 +315,9 @@ class VllmEngine:
             extra_args={TAP_KEY: (self.id, key, self.kernels, asdict(t))},
         )
 
-    def _sample(self, prompt_id: int, c: Any, prompt: Tensor, decode: list[float]) -> Sample:
-        tokens = list(c.token_ids)
-        if len(decode) != len(tokens):
+    def _sample(self, prompt_id: int, c: Any, prompt: Tensor, tracked: Tracked) -> Sample:
+        tokens, decode = list(c.token_ids), tracked.logp
+        if len(decode) != len(tokens) or len(tracked.version) != len(tokens):
             raise RuntimeError(
                 f"decode stream has {len(decode)} entries for {len(tokens)} tokens (prompt {prompt_id}); "
                 "was vLLM started with the decode tap and in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)?"
@@ -299,7 +334,6 @@ class VllmEngine:
         if not torch.equal(ids[:, 0], torch.tensor(tokens, dtype=torch.long)):
             raise RuntimeError(f"vLLM's sampled-token log-probs are not the tokens' (prompt {prompt_id})")
         sampler, logp, ids = values[:, 0], values[:, 1:].contiguous(), ids[:, 1:].contiguous()
-        version = torch.full((n,), self._version, dtype=torch.long)
         return Sample(
             prompt_id=prompt_id,
             sample_index=c.index,
@@ -308,8 +342,8 @@ class VllmEngine:
             sampler_logp=sampler,
             decode_logp=torch.tensor(decode, dtype=torch.float32),
             prefill_logp=torch.zeros(n),  # filled by _rescore
-            version_T=version,
-            kv_version_T=version.clone(),
+            version_T=torch.tensor(tracked.version, dtype=torch.long),
+            kv_version_T=torch.tensor(tracked.kv_version, dtype=torch.long),
             topk_ids=ids,
             topk_logp=logp,
             finish_reason="stop" if c.finish_reason == "stop" else "length",
@@ -379,8 +413,18 @@ class VllmEngine:
     def update_weights(
         self, weights: WeightUpdate | Mapping[str, Tensor], version: int | None = None
     ) -> None:
-        """Reload weights in place between requests, move to ``version`` and drop the prefix cache."""
+        """Reload weights in place, move to ``version`` and drop the prefix cache.
+
+        Between two steps of a generation (``in_flight``) the running requests continue on their K/V
+        (``kv_policy=keep``; prefix caching is off then) or are preempted with the cache reset, so vLLM
+        prefills them again under the new weights (``recompute``)."""
         check_reloadable(self.model_impl)
+        running = self._stepping and self.llm.llm_engine.has_unfinished_requests()
+        if running and not self.in_flight:
+            raise RuntimeError(
+                "weight update while requests are unfinished; set engine.in_flight=true to allow "
+                "in-flight updates, or update between requests"
+            )
         state, version = accept_update(
             weights,
             version,
@@ -390,7 +434,9 @@ class VllmEngine:
         )
         tensors = [(name, t.detach().cpu().contiguous()) for name, t in state.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
-        if not self.llm.reset_prefix_cache():
+        if running and self.kv_policy == "keep":
+            pass  # no prefix cache to reset (llm_options); the running requests keep their blocks
+        elif not self.llm.reset_prefix_cache(reset_running_requests=running):
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self._version = version
 

@@ -12,6 +12,14 @@ MoE: the registered model publishes each step's routed expert ids per request
 (:data:`STEP_ROUTING`, in batch order); the tap appends each tracked request's share, so a request
 collects the ids of every position it fed to the model (its prompt, then each decode step's token).
 
+Versions: after every engine step the engine stamps each tracked request's new tokens with the weight
+version of that step and with the oldest version among the K/V entries they attended to
+(:meth:`Tracked.stamp`). A request that vLLM preempted and resumes (after an in-flight update under
+``kv_policy=recompute``, or for lack of KV blocks) had its K/V recomputed: the tap sees it added back with
+its outputs so far, keeps its record and marks it ``refilled``, so its later tokens carry the version of
+the recomputing step, and drops the routing collected so far (the recomputing forward feeds every
+position again).
+
 It runs in the process that runs the model, which the engine guarantees by running vLLM in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker). Requests opt in through
 ``SamplingParams.extra_args[TAP_KEY] = (engine_id, request_key, kernels, transforms)``; results land in
@@ -44,6 +52,21 @@ class Tracked:
     logp: list[float] = field(default_factory=list)
     pending: Tensor | None = None  # processed log-probs of the last step whose token is not known yet
     routing: list[Tensor] = field(default_factory=list)  # MoE: [positions fed, n_moe_layers, k] per step
+    version: list[int] = field(default_factory=list)  # per output token: the weight version drawing it
+    kv_version: list[int] = field(default_factory=list)  # per output token: oldest version in its K/V
+    kv_oldest: int | None = None  # oldest weight version among this request's K/V entries
+    refilled: bool = False  # resumed after a preemption: vLLM recomputed its K/V in this step
+
+    def stamp(self, version: int) -> None:
+        """After an engine step at ``version``: stamp the tokens that step drew. A request's first step
+        prefills its prompt, and a resumed one recomputes its whole K/V, both at ``version``."""
+        if self.refilled or (self.kv_oldest is None and self.output):
+            self.kv_oldest, self.refilled = version, False
+        new = len(self.output) - len(self.version)
+        if new > 0:
+            assert self.kv_oldest is not None
+            self.version += [version] * new
+            self.kv_version += [self.kv_oldest] * new
 
     def resolve(self) -> None:
         """Store the log-prob of the token sampled from the pending row, once vLLM appended it."""
@@ -88,10 +111,16 @@ class DecodeTap(LogitsProcessor):
             tag = (params.extra_args or {}).get(TAP_KEY)
             if tag is not None:
                 engine, request_key, kernels, transforms = tag
-                t = Tracked(Transforms(**transforms), kernels, output)
                 seed = 0 if params.seed is None else int(params.seed)
-                RECORDS.setdefault(engine, {})[(request_key, seed)] = t
-                self.rows[index] = t
+                records = RECORDS.setdefault(engine, {})
+                resumed = records.get((request_key, seed))
+                if resumed is not None and output:  # back after a preemption: its K/V is recomputed now
+                    resumed.output, resumed.refilled, resumed.pending = output, True, None
+                    resumed.routing.clear()
+                    self.rows[index] = resumed
+                else:
+                    t = Tracked(Transforms(**transforms), kernels, output)
+                    records[(request_key, seed)] = self.rows[index] = t
         for a, b, direction in batch_update.moved:
             ta, tb = self.rows.pop(a, None), self.rows.pop(b, None)
             if ta is not None:
