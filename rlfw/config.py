@@ -117,10 +117,10 @@ class EngineConfig:
         check_range("engine.max_model_len", self.max_model_len, lo=2)
         check_range("engine.seed", self.seed, lo=0)
         check_range("engine.cpu_threads", self.cpu_threads, lo=0)
-        if self.name == "vllm" and self.sampler.precision != "fp32":
+        if self.name == "vllm" and self.sampler.precision != "fp32" and self.vllm.model != "rlfw":
             raise ConfigError(
-                f"engine=vllm samples from fp32 logits; engine.sampler.precision={self.sampler.precision!r} "
-                "is a built-in-engine feature: use engine=native or engine.sampler.precision=fp32"
+                f"engine.sampler.precision={self.sampler.precision!r} with engine=vllm needs the shared "
+                "model's sampler head: set engine.vllm.model=rlfw (or engine.sampler.precision=fp32)"
             )
 
 

@@ -5,7 +5,7 @@ What happens to it then is the engine's ``in_flight`` setting:
 
 * ``engine.in_flight=false``: the update waits until the running generation has finished (every sequence
   is generated at one version);
-* ``engine.in_flight=true`` (built-in engine): the update is handed to the generation loop, which loads it
+* ``engine.in_flight=true`` (either engine): the update is handed to the generation loop, which loads it
   between two decode steps; unfinished sequences continue at the new version on their old KV cache
   (``kv_policy=keep``) or on a recomputed one (``recompute``), and every token records its version. The
   call returns once the weights are loaded.

@@ -122,9 +122,9 @@ def test_bad_inputs_exit_2_with_the_fix(tmp_path: Path, capsys: pytest.CaptureFi
     code = main(["audit", "engine=vllm", "model=hf", f"model.path={small}", "model.dtype=float32"])
     err = capsys.readouterr().err
     assert code == 2 and "head_dim=16 is not supported by vLLM's CPU attention" in err
-    code = main(["train", "engine=vllm", "engine.sampler.precision=fp8"])
+    code = main(["train", "engine=vllm", "engine.vllm.model=stock", "engine.sampler.precision=fp8"])
     err = capsys.readouterr().err
-    assert code == 2 and "engine=vllm samples from fp32 logits" in err
+    assert code == 2 and "needs the shared model's sampler head: set engine.vllm.model=rlfw" in err
     code = main(
         ["train", "engine=vllm", "engine.vllm.model=stock", "model=tiny_moe", "model.router_replay=true"]
     )

@@ -366,3 +366,32 @@ def test_an_update_inside_a_generation_needs_in_flight(ckpts: dict[str, tuple[Tr
     with pytest.raises(RuntimeError, match="in_flight=true"):
         e.generate(GenerationRequest([1], prompts([5]), n=1, max_new_tokens=6, seed=1), between_steps=update)
     e.shutdown()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_reduced_precision_sampler_moves_the_sampler_factor_alone(
+    ckpts: dict[str, tuple[Transformer, Path]], precision: str
+) -> None:
+    """``engine.sampler.precision`` inside vLLM: vLLM samples from the shared model's reduced-precision
+    sampler head, so the sampler stream is that head's log-prob (bit for bit the built-in engine's
+    ``sampler_head`` on the trainer's hidden states), while the decode and prefill streams stay the
+    trainer's: only the sampler factor moves."""
+    from rlfw.rollout.sampling import sampler_head
+
+    model, path = ckpts["a"]
+    sampler = dataclasses.replace(SAMPLER, precision=precision)
+    e = VllmEngine(str(path), engine_cfg(sampler))
+    samples = e.generate(GenerationRequest([1, 2], prompts([6, 3]), n=2, max_new_tokens=10, seed=2))
+    e.shutdown()
+    t = sampler.transforms()
+    moved = []
+    for s in samples:
+        q = trainer_logp(model, s, t)
+        assert torch.equal(s.decode_logp, q) and torch.equal(s.prefill_logp, q)
+        p = s.prompt_P.shape[0]
+        with torch.no_grad():
+            h = model.hidden_states(s.tokens[None])[0, p - 1 : -1]
+            head = sampler_head(h, model.output_weight, precision, model.ops.linear)
+        assert torch.equal(s.sampler_logp, model.ops.token_logp(process_logits(head, t), s.response_T))
+        moved.append(s.decode_logp - s.sampler_logp)
+    assert (torch.cat(moved) != 0).float().mean() > 0.5, "the sampler's precision must show"

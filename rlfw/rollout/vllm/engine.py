@@ -3,7 +3,9 @@
 Streams (design §2) and where each comes from:
 
 * ``sampler_logp`` (mu): vLLM's own log-prob of the drawn token, in ``processed_logprobs`` mode, i.e.
-  after vLLM's temperature, top-k, top-p and min-p; the sampler's top-k comes from the same place.
+  after vLLM's temperature, top-k, top-p and min-p; the sampler's top-k comes from the same place. With
+  ``engine.sampler.precision=bf16|fp8`` the shared model's LM head gives vLLM the reduced-precision
+  sampler head's logits to sample from (:class:`~rlfw.rollout.vllm.tap.SamplerHead`).
 * ``decode_logp`` (s^D): the raw logits of the same decode step, read by
   :class:`~rlfw.rollout.vllm.tap.DecodeTap` inside vLLM's sampler, with rlfw's transforms replayed.
 * ``prefill_logp`` (s^P): each finished sequence rescored as a prompt (``prompt_logprobs``, which skips
@@ -160,6 +162,12 @@ class VllmEngine:
         self.max_model_len = engine_cfg.max_model_len
         self.prefill_fraction = engine_cfg.prefill_fraction
         self.in_flight, self.kv_policy = engine_cfg.in_flight, engine_cfg.kv_policy
+        self.precision = s.precision
+        if self.precision != "fp32" and self.model_impl != "rlfw":
+            raise ValueError(
+                f"engine.sampler.precision={self.precision} needs the shared model in vLLM (its LM head "
+                "computes the sampler head): set engine.vllm.model=rlfw"
+            )
         self._stepping = False  # inside a generation loop (an update then lands in flight)
         self.contract_hash, self._version = contract_hash, version
         self.id = uuid.uuid4().hex  # this engine's records in the tap
@@ -266,8 +274,11 @@ class VllmEngine:
                     request.greedy,
                 )
             )
+        from rlfw.rollout.vllm.tap import SamplerHead
+
         hook = None if between_steps is None else (lambda: between_steps(self))
-        outputs = self._run(prompts, params, between_steps=hook)
+        with SamplerHead(self.precision):
+            outputs = self._run(prompts, params, between_steps=hook)
         records = RECORDS.setdefault(self.id, {})
         samples: list[Sample] = []
         fed: list[list[Tensor]] = []  # per sample, the expert ids of each step (MoE)

@@ -127,8 +127,20 @@ class RlfwForCausalLM(Transformer):
         return self.model.norm(x, ctx)[0]
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
-        """The LM head through ``ops.linear``, as in the trainer's scoring forward."""
-        return self.ops.linear(hidden_states, self.output_weight)
+        """The LM head through ``ops.linear``, as in the trainer's scoring forward. While the engine
+        generates with a reduced-precision sampler (:class:`~rlfw.rollout.vllm.tap.SamplerHead`), vLLM
+        gets the sampler head's logits (the built-in engine's :func:`~rlfw.rollout.sampling.sampler_head`
+        on the same hidden states) and the decode tap gets these full-precision ones."""
+        from rlfw.rollout.sampling import sampler_head
+        from rlfw.rollout.vllm import tap
+
+        full = self.ops.linear(hidden_states, self.output_weight)
+        tap.STEP_DECODE_LOGITS.clear()
+        precision = tap.SAMPLER_PRECISION[0]
+        if precision == "fp32":
+            return full
+        tap.STEP_DECODE_LOGITS.append(full)
+        return sampler_head(hidden_states, self.output_weight, precision, self.ops.linear)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Load checkpoint tensors into the parameters of the same name; unknown names are refused.

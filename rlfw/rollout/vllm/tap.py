@@ -20,6 +20,11 @@ its outputs so far, keeps its record and marks it ``refilled``, so its later tok
 the recomputing step, and drops the routing collected so far (the recomputing forward feeds every
 position again).
 
+Reduced-precision samplers (``engine.sampler.precision=bf16|fp8``): while the engine generates, the
+registered model's LM head hands vLLM the sampler head's logits (what vLLM then samples from and reports
+as the sampler stream) and publishes the full-precision logits of the same rows
+(:data:`STEP_DECODE_LOGITS`), which the tap reads for the decode stream instead of vLLM's.
+
 It runs in the process that runs the model, which the engine guarantees by running vLLM in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker). Requests opt in through
 ``SamplingParams.extra_args[TAP_KEY] = (engine_id, request_key, kernels, transforms)``; results land in
@@ -79,6 +84,30 @@ class Tracked:
 # entries after a generate call and resolves the last token (no later step may come to do it).
 RECORDS: dict[str, dict[tuple[str, int], Tracked]] = {}
 
+# The sampler head's precision while the engine generates (SamplerHead sets it; "fp32" otherwise, as in
+# the rescoring pass, whose prompt log-probs are the full-precision prefill stream).
+SAMPLER_PRECISION = ["fp32"]
+
+# With a reduced-precision sampler head: the full-precision LM head's logits of the rows vLLM samples
+# from in the current step (the decode stream's source), published by the registered model.
+STEP_DECODE_LOGITS: list[Tensor] = []
+
+
+class SamplerHead:
+    """``with SamplerHead(precision):`` the registered model's LM head is the sampler's at ``precision``
+    (fp32: the full-precision head itself) for the generation inside the block."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
+
+    def __enter__(self) -> None:
+        SAMPLER_PRECISION[0] = self.precision
+
+    def __exit__(self, *exc: object) -> None:
+        SAMPLER_PRECISION[0] = "fp32"
+        STEP_DECODE_LOGITS.clear()
+
+
 # The current step's expert ids per request in batch order, published by the registered MoE model's
 # forward (rlfw.rollout.vllm.model.publish_routing) just before vLLM samples from its logits.
 STEP_ROUTING: list[Tensor] = []
@@ -134,7 +163,10 @@ class DecodeTap(LogitsProcessor):
             first = live[0][1]
             ops = get_ops(first.kernels)
             index = torch.tensor([i for i, _ in live], device=logits.device)
-            processed = process_logits(logits.index_select(0, index), first.transforms)
+            full = logits
+            if STEP_DECODE_LOGITS and STEP_DECODE_LOGITS[0].shape == logits.shape:
+                full = STEP_DECODE_LOGITS[0]  # vLLM samples from a reduced-precision head's logits
+            processed = process_logits(full.index_select(0, index), first.transforms)
             logp = ops.log_softmax(processed).cpu()
             for row, (i, t) in enumerate(live):
                 t.resolve()
