@@ -23,6 +23,9 @@ the first (which compiles and warms up). Sides:
   the other.
 * ``rlfw-async-2ranks``: ``rlfw-async`` with two data-parallel trainer ranks of one thread each (three
   single-threaded processes share the two cores, so the engine's idle time goes to the trainer);
+* ``rlfw-async-trainer2`` and ``rlfw-async-noprefill-trainer2``: the trainer rank's kernels on every
+  core (``trainer.cpu_threads=0``), the engine on one: the trainer, the longer phase, takes the core the
+  engine leaves idle once its generation is done;
 * ``rlfw-async-noprefill`` and ``rlfw-async-2ranks-noprefill``: the same with
   ``engine.prefill_fraction=0`` (sampler, decode and trainer streams on every token, no prefill stream;
   allowed because the contract claims prefill and decode bitwise equal here).
@@ -67,6 +70,8 @@ SIDES = {  # rlfw side -> its overrides on top of the shared ones
     "async-2ranks": [*ASYNC, "trainer.num_ranks=2"],
     "async-noprefill": ASYNC + NO_PREFILL,
     "async-2ranks-noprefill": [*ASYNC, "trainer.num_ranks=2", *NO_PREFILL],
+    "async-trainer2": [*ASYNC, "trainer.cpu_threads=0"],
+    "async-noprefill-trainer2": [*ASYNC, *NO_PREFILL, "trainer.cpu_threads=0"],
 }
 
 
