@@ -363,8 +363,11 @@ def test_an_update_inside_a_generation_needs_in_flight(ckpts: dict[str, tuple[Tr
     def update(engine: object) -> None:
         e.update_weights(state, version=1)
 
+    req = GenerationRequest([1], prompts([5]), n=2, max_new_tokens=6, seed=1)
     with pytest.raises(RuntimeError, match="in_flight=true"):
-        e.generate(GenerationRequest([1], prompts([5]), n=1, max_new_tokens=6, seed=1), between_steps=update)
+        e.generate(req, between_steps=update)
+    assert not e.llm.llm_engine.has_unfinished_requests(), "the failed generation's requests were aborted"
+    assert len(e.generate(req)) == 2 and e.version == 0
     e.shutdown()
 
 

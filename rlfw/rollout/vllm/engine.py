@@ -196,7 +196,7 @@ class VllmEngine:
         engine, done = self.llm.llm_engine, []
         records = RECORDS.setdefault(self.id, {})
         with shared_log_softmax(self.shared_numerics, transforms):
-            self.llm.enqueue(prompts, params, use_tqdm=False)
+            ids = self.llm.enqueue(prompts, params, use_tqdm=False)
             self._stepping = True
             try:
                 while engine.has_unfinished_requests():
@@ -205,6 +205,9 @@ class VllmEngine:
                         tracked.stamp(self._version)
                     if between_steps is not None and engine.has_unfinished_requests():
                         between_steps()
+            except BaseException:
+                engine.abort_request(ids, internal=True)  # leave no request behind for the next call
+                raise
             finally:
                 self._stepping = False
         return sorted(done, key=lambda out: int(out.request_id))
