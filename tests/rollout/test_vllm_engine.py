@@ -350,6 +350,7 @@ def test_in_flight_update_lands_between_steps(
         if kv_policy == "keep":
             assert (s.kv_version_T == 0).all(), "the running request kept the K/V of version 0"
             assert not torch.equal(s.decode_logp[post], new[post]), "stale K/V shows in the decode stream"
+            assert not torch.equal(s.decode_logp[post], old[post]), "the running request took the update"
         else:
             assert torch.equal(s.kv_version_T, s.version_T), "recomputed K/V is at the token's version"
             assert torch.equal(s.decode_logp[post], new[post])

@@ -96,6 +96,9 @@ def llm_options(
         "logprobs_mode": "processed_logprobs",
         "max_logprobs": -1,
         "hf_overrides": overrides,
+        # Each step's tokens are stamped with the weights that drew them and an in-flight update lands
+        # between two steps, so no batch may be scheduled ahead (vLLM's CPU backend never does).
+        "async_scheduling": False,
     }
     if settings.max_num_batched_tokens:
         options["max_num_batched_tokens"] = settings.max_num_batched_tokens
@@ -119,7 +122,7 @@ def routed_experts(sample: Sample, steps: list[Tensor], last: Tensor | None) -> 
     if fed.shape[0] != want:
         raise RuntimeError(
             f"vLLM fed {fed.shape[0]} positions of prompt {sample.prompt_id} to the model, expected {want}; "
-            "a request preempted and recomputed feeds its prompt twice: raise engine.vllm.kv_cache_gib"
+            "the recorded routing does not cover each position exactly once, so R3 cannot replay it"
         )
     return torch.cat([fed, last]).to(torch.long)
 
@@ -200,6 +203,7 @@ class VllmEngine:
             self._stepping = True
             try:
                 while engine.has_unfinished_requests():
+                    self._publish_preemptions()
                     done += [out for out in engine.step() if out.finished]
                     for tracked in records.values():
                         tracked.stamp(self._version)
@@ -211,6 +215,20 @@ class VllmEngine:
             finally:
                 self._stepping = False
         return sorted(done, key=lambda out: int(out.request_id))
+
+    def _publish_preemptions(self) -> None:
+        """Hand the decode tap each tracked request's preemption count from vLLM's scheduler (in this
+        process), so it can tell a preempted request, whose K/V vLLM recomputes, from one that only went
+        unscheduled for a step (:data:`rlfw.rollout.vllm.tap.PREEMPTIONS`)."""
+        from rlfw.rollout.vllm.tap import PREEMPTIONS, TAP_KEY
+
+        counts = PREEMPTIONS.setdefault(self.id, {})
+        counts.clear()
+        for request in self.llm.llm_engine.engine_core.engine_core.scheduler.requests.values():
+            params = request.sampling_params
+            tag = None if params is None else (params.extra_args or {}).get(TAP_KEY)
+            if tag is not None and tag[0] == self.id:
+                counts[(tag[1], 0 if params.seed is None else int(params.seed))] = request.num_preemptions
 
     @classmethod
     def from_config(
@@ -257,6 +275,7 @@ class VllmEngine:
         from rlfw.rollout.vllm.tap import RECORDS
 
         self.rounds += 1
+        RECORDS.setdefault(self.id, {}).clear()  # what a failed earlier call left behind
         seed = self.seed if request.seed is None else request.seed
         tag = f"{self.rounds}"
         prompts, params = [], []
@@ -456,7 +475,8 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         """Release vLLM's engine (its KV cache and model) in this process."""
-        from rlfw.rollout.vllm.tap import RECORDS
+        from rlfw.rollout.vllm.tap import PREEMPTIONS, RECORDS
 
         RECORDS.pop(self.id, None)
+        PREEMPTIONS.pop(self.id, None)
         del self.llm

@@ -14,11 +14,15 @@ collects the ids of every position it fed to the model (its prompt, then each de
 
 Versions: after every engine step the engine stamps each tracked request's new tokens with the weight
 version of that step and with the oldest version among the K/V entries they attended to
-(:meth:`Tracked.stamp`). A request that vLLM preempted and resumes (after an in-flight update under
-``kv_policy=recompute``, or for lack of KV blocks) had its K/V recomputed: the tap sees it added back with
-its outputs so far, keeps its record and marks it ``refilled``, so its later tokens carry the version of
-the recomputing step, and drops the routing collected so far (the recomputing forward feeds every
-position again).
+(:meth:`Tracked.stamp`). A request's K/V is written from the step vLLM first schedules it (its first
+prefill chunk). vLLM takes a running request out of its batch and adds it back both when it merely went
+unscheduled for a step (its K/V kept) and when the scheduler preempted it (after an in-flight update under
+``kv_policy=recompute``, or for lack of KV blocks; its K/V is then recomputed). The engine tells the two
+apart for the tap: before every step it publishes each tracked request's preemption count from vLLM's
+scheduler (:data:`PREEMPTIONS`). A preempted request keeps its record, is marked ``refilled`` (its later
+tokens carry the version of the recomputing step) and drops the routing collected so far (the
+recomputing forward feeds every position again, at the new version, as the built-in engine's
+recompute does).
 
 Reduced-precision samplers (``engine.sampler.precision=bf16|fp8``): while the engine generates, the
 registered model's LM head hands vLLM the sampler head's logits (what vLLM then samples from and reports
@@ -60,12 +64,14 @@ class Tracked:
     version: list[int] = field(default_factory=list)  # per output token: the weight version drawing it
     kv_version: list[int] = field(default_factory=list)  # per output token: oldest version in its K/V
     kv_oldest: int | None = None  # oldest weight version among this request's K/V entries
-    refilled: bool = False  # resumed after a preemption: vLLM recomputed its K/V in this step
+    refilled: bool = True  # vLLM (re)wrote its K/V from this step on: first scheduled, or preempted
+    preemptions: int = 0  # vLLM's preemption count for the request when last resumed
 
     def stamp(self, version: int) -> None:
-        """After an engine step at ``version``: stamp the tokens that step drew. A request's first step
-        prefills its prompt, and a resumed one recomputes its whole K/V, both at ``version``."""
-        if self.refilled or (self.kv_oldest is None and self.output):
+        """After an engine step at ``version``: stamp the tokens that step drew. The step that first
+        schedules a request starts its K/V, and the step that resumes a preempted one recomputes all of
+        it, both at ``version``."""
+        if self.refilled:
             self.kv_oldest, self.refilled = version, False
         new = len(self.output) - len(self.version)
         if new > 0:
@@ -83,6 +89,11 @@ class Tracked:
 # engine id -> (request key, seed) -> the sample's stream. Filled by the tap; the engine pops its
 # entries after a generate call and resolves the last token (no later step may come to do it).
 RECORDS: dict[str, dict[tuple[str, int], Tracked]] = {}
+
+# engine id -> (request key, seed) -> vLLM's preemption count of that request, published by the engine
+# before every step (VllmEngine._publish_preemptions) so the tap can tell a recompute from a request that
+# only went unscheduled for a step.
+PREEMPTIONS: dict[str, dict[tuple[str, int], int]] = {}
 
 # The sampler head's precision while the engine generates (SamplerHead sets it; "fp32" otherwise, as in
 # the rescoring pass, whose prompt log-probs are the full-precision prefill stream).
@@ -143,9 +154,12 @@ class DecodeTap(LogitsProcessor):
                 seed = 0 if params.seed is None else int(params.seed)
                 records = RECORDS.setdefault(engine, {})
                 resumed = records.get((request_key, seed))
-                if resumed is not None and output:  # back after a preemption: its K/V is recomputed now
-                    resumed.output, resumed.refilled, resumed.pending = output, True, None
-                    resumed.routing.clear()
+                if resumed is not None and output:  # back in the batch: unscheduled for a while, or preempted
+                    resumed.output = output
+                    count = PREEMPTIONS.get(engine, {}).get((request_key, seed), resumed.preemptions)
+                    if count > resumed.preemptions:  # preempted: vLLM recomputes its K/V in this step
+                        resumed.preemptions, resumed.refilled = count, True
+                        resumed.routing.clear()
                     self.rows[index] = resumed
                 else:
                     t = Tracked(Transforms(**transforms), kernels, output)
