@@ -93,7 +93,7 @@ def _describe_vllm() -> dict[str, Any]:
     """The CUDA op set on vLLM's kernels: ops vLLM serves are named by its implementation and version (its
     tile choices are its own, tuned per device; the device is in the environment fingerprint), the rest as
     on the Triton backend."""
-    from rlfw.kernels import vllm_ops
+    from rlfw.kernels import vllm_attention, vllm_ops
 
     record = describe_invariant("triton")
     served = {
@@ -106,7 +106,13 @@ def _describe_vllm() -> dict[str, Any]:
     record["rms_norm"] = {"impl": vllm_ops.IMPLEMENTATIONS["rms_norm"], **served}
     record["log_softmax"] = {"impl": vllm_ops.IMPLEMENTATIONS["log_softmax"], **served}
     record["token_logp"] = {"impl": vllm_ops.IMPLEMENTATIONS["token_logp"]}
-    record["attention"]["impl"] = vllm_ops.IMPLEMENTATIONS["attention"]
+    record["attention"] = {
+        **record["attention"],
+        "impl": vllm_ops.IMPLEMENTATIONS["attention"],
+        "page_size": vllm_attention.BLOCK_SIZE,
+        "fp32_impl": vllm_ops.IMPLEMENTATIONS["attention_fp32"],
+        **served,
+    }
     record["entropy"] = {"impl": "vllm_log_softmax_then_row_sum", "sum_chunk": reduce.SUM_CHUNK}
     return record
 

@@ -7,9 +7,9 @@ construction, so rlfw uses them rather than tuning kernels of its own for GPUs. 
 rlfw's (:mod:`rlfw.kernels.autograd`): the linear's two textbook matmuls, and for RMSNorm and log-softmax
 the torch reference recomputed under autograd.
 
-Where vLLM has no standalone kernel, rlfw's own Triton kernels fill the gap: attention over the slotted
-cache (vLLM's batch-invariant attention is its FlashAttention backend with one KV split, bound to vLLM's
-paged cache, not a function of the slotted layout), and the token gather. :data:`IMPLEMENTATIONS` names
+Attention in fp16/bf16 is vLLM's batch-invariant FlashAttention (one KV split), called on a paged view
+of the keys as vLLM calls it (:mod:`rlfw.kernels.vllm_attention`); FlashAttention has no fp32 kernel, so
+fp32 attention is rlfw's own Triton kernel, as is the token gather. :data:`IMPLEMENTATIONS` names
 what serves each op; the execution contract records it.
 
 The vLLM module is imported on first use, so building the record (for the contract) needs neither a GPU
@@ -34,7 +34,8 @@ IMPLEMENTATIONS: dict[str, str] = {
     "rms_norm": "vllm_rms_norm",
     "log_softmax": "vllm_log_softmax",
     "token_logp": "gather_of_vllm_log_softmax",
-    "attention": "rlfw_triton_tiled_online_softmax",
+    "attention": "vllm_flash_attn_paged_num_splits_1",  # fp16/bf16
+    "attention_fp32": "rlfw_triton_tiled_online_softmax",  # FlashAttention has no fp32 kernel
 }
 """Which implementation serves each op of this backend (the rest reuse the torch path, as on Triton)."""
 
@@ -100,6 +101,10 @@ def token_logp(logits: Tensor, ids: Tensor) -> Tensor:
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
-    from rlfw.kernels import triton_attention
+    """vLLM's FlashAttention with one KV split where it serves the call (fp16/bf16,
+    :mod:`rlfw.kernels.vllm_attention`); rlfw's Triton attention otherwise (fp32)."""
+    from rlfw.kernels import triton_attention, vllm_attention
 
+    if vllm_attention.serves(q, q_pos):
+        return vllm_attention.paged_flash_attention(q, k_cache, v_cache, q_pos, scale)
     return triton_attention.attention(q, k_cache, v_cache, q_pos, scale)

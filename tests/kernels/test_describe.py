@@ -68,7 +68,9 @@ def test_the_contract_records_which_implementation_serves_each_op_on_cuda() -> N
     assert record["linear"]["vllm"] == vllm_version()
     assert record["rms_norm"]["impl"] == "vllm_rms_norm"
     assert record["log_softmax"]["impl"] == "vllm_log_softmax"
-    assert record["attention"]["impl"] == "rlfw_triton_tiled_online_softmax"  # vLLM has none standalone
+    assert record["attention"]["impl"] == "vllm_flash_attn_paged_num_splits_1"
+    assert record["attention"]["fp32_impl"] == "rlfw_triton_tiled_online_softmax"  # no fp32 FlashAttention
+    assert record["attention"]["page_size"] == 16 and record["attention"]["vllm"] == vllm_version()
     assert record["router_topk"]["tie_rule"] == "lowest_index"
     assert record != describe_invariant("triton") != describe_invariant("torch")
 
