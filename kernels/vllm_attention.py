@@ -7,12 +7,16 @@ implementation of ours, the way vLLM's batch-invariant RL setups share kernels b
 engine: the keys are presented as vLLM presents its cache, in pages of :data:`BLOCK_SIZE` slots behind a
 block table, with ``seqused_k``, bottom-right causal masking and ``num_splits=1`` (FlashAttention picks
 its tiles by head size, dtype and whether the keys are paged, so the paged call is the one vLLM's decode
-and prefill make). The backward is rlfw's: the torch reference recomputed under autograd
-(:func:`rlfw.kernels.autograd.recompute_backward`, applied by the caller).
+and prefill make). The FlashAttention version is the one vLLM picks for the head size, FA4 replaced by
+FA2 as vLLM's batch-invariant mode does. Whether a query gets the same bits from a decode call (one
+query) and a prefill call (many) depends on FlashAttention's tile choice for each, which may differ by
+head size; ``tests/gpu`` checks it per head size on a device. The backward is rlfw's: the torch
+reference recomputed under autograd (:func:`rlfw.kernels.autograd.recompute_backward`, applied by the
+caller).
 
 FlashAttention has no fp32 kernel, and it needs each row's valid queries to be the last positions of
 that row's keys (true for prefill, scoring and decode); anything else goes to rlfw's Triton attention
-(:func:`serves` decides). Nothing here runs without CUDA; ``tests/gpu`` and ``bench/gpu_check.py`` check
+(:func:`layout_for` decides). Nothing here runs without CUDA; ``tests/gpu`` and ``bench/gpu_check.py`` check
 it on a device.
 """
 
@@ -30,13 +34,13 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 
 @functools.cache
-def _flash_attention() -> tuple[Any, int]:
+def _flash_attention(head_size: int = 128) -> tuple[Any, int]:
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
-    version = get_flash_attn_version()
+    version = get_flash_attn_version(head_size=head_size)
     if version is None:
         raise ImportError("vLLM found no FlashAttention version for this device")
-    return flash_attn_varlen_func, version
+    return flash_attn_varlen_func, 2 if version == 4 else version  # FA2 where batch-invariant vLLM does
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -50,7 +54,10 @@ def available(dtype: torch.dtype) -> bool:
     return True
 
 
-def _layout(q_pos: Tensor) -> tuple[Tensor, Tensor] | None:
+Layout = tuple[Tensor, Tensor]  # per batch row: valid queries, keys they see
+
+
+def _layout(q_pos: Tensor) -> Layout | None:
     """Per batch row: the number of valid queries and the number of keys they see, when the valid
     queries are the row's last positions in increasing order (``None`` otherwise)."""
     valid = q_pos >= 0
@@ -64,23 +71,33 @@ def _layout(q_pos: Tensor) -> tuple[Tensor, Tensor] | None:
     return n, keys
 
 
-def serves(q: Tensor, q_pos: Tensor) -> bool:
-    """Whether :func:`paged_flash_attention` takes this call."""
-    return q.is_cuda and available(q.dtype) and _layout(q_pos) is not None
+def layout_for(q: Tensor, q_pos: Tensor) -> Layout | None:
+    """The layout :func:`paged_flash_attention` needs when it serves this call (CUDA, fp16/bf16, each
+    row's valid queries at its last key positions), else None: the caller uses another kernel."""
+    if not (q.is_cuda and available(q.dtype)):
+        return None
+    return _layout(q_pos)
 
 
-def paged_flash_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+def paged_flash_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float, layout: Layout | None = None
+) -> Tensor:
     """Attention of ``q [B, T, H, D]`` at positions ``q_pos [B, T]`` (-1: padding, output 0) over the
     keys at slots ``0 .. q_pos`` of ``k_cache``/``v_cache [B, S, H_kv, D]``, through vLLM's FlashAttention
-    on a paged view of the cache with one KV split."""
-    layout = _layout(q_pos)
+    on a paged view of the cache with one KV split. ``layout``: :func:`layout_for`'s, if already known."""
+    layout = layout if layout is not None else _layout(q_pos)
     if layout is None:
         raise ValueError("paged_flash_attention needs each row's valid queries at its last key positions")
     n, keys = layout
-    fa, version = _flash_attention()
     b, _, heads, dim = q.shape
+    if int(n.sum()) == 0:
+        return q.new_zeros(q.shape)
+    most = int(keys.max())
+    if most > k_cache.shape[1]:
+        raise ValueError(f"queries see {most} keys but the cache holds {k_cache.shape[1]} slots")
+    fa, version = _flash_attention(dim)
     valid = q_pos >= 0
-    pages = max(1, -(-int(keys.max()) // BLOCK_SIZE))
+    pages = -(-most // BLOCK_SIZE)
     width = pages * BLOCK_SIZE
 
     def paged(cache: Tensor) -> Tensor:
@@ -97,7 +114,7 @@ def paged_flash_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Te
         v=paged(v_cache.to(q.dtype)),
         max_seqlen_q=max(1, int(n.max())),
         cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_k=max(1, int(keys.max())),
+        max_seqlen_k=most,
         seqused_k=keys.to(torch.int32),
         softmax_scale=scale,
         causal=True,

@@ -105,6 +105,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale:
     :mod:`rlfw.kernels.vllm_attention`); rlfw's Triton attention otherwise (fp32)."""
     from rlfw.kernels import triton_attention, vllm_attention
 
-    if vllm_attention.serves(q, q_pos):
-        return vllm_attention.paged_flash_attention(q, k_cache, v_cache, q_pos, scale)
+    layout = vllm_attention.layout_for(q, q_pos)
+    if layout is not None:
+        return vllm_attention.paged_flash_attention(q, k_cache, v_cache, q_pos, scale, layout)
     return triton_attention.attention(q, k_cache, v_cache, q_pos, scale)
