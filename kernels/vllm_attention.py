@@ -7,8 +7,8 @@ implementation of ours, the way vLLM's batch-invariant RL setups share kernels b
 engine: the keys are presented as vLLM presents its cache, in pages of :data:`BLOCK_SIZE` slots behind a
 block table, with ``seqused_k``, bottom-right causal masking and ``num_splits=1`` (FlashAttention picks
 its tiles by head size, dtype and whether the keys are paged, so the paged call is the one vLLM's decode
-and prefill make). The FlashAttention version is the one vLLM picks for the head size, FA4 replaced by
-FA2 as vLLM's batch-invariant mode does. Whether a query gets the same bits from a decode call (one
+and prefill make). The FlashAttention version is the one vLLM's batch-invariant mode runs (FA3 on
+Hopper, FA2 elsewhere: it replaces FA4 by FA2). Whether a query gets the same bits from a decode call (one
 query) and a prefill call (many) depends on FlashAttention's tile choice for each, which may differ by
 head size; ``tests/gpu`` checks it per head size on a device. The backward is rlfw's: the torch
 reference recomputed under autograd (:func:`rlfw.kernels.autograd.recompute_backward`, applied by the
@@ -34,13 +34,13 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 
 @functools.cache
-def _flash_attention(head_size: int = 128) -> tuple[Any, int]:
-    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+def _flash_attention() -> tuple[Any, int]:
+    """vLLM's FlashAttention entry point (its kernel library, ``vllm.vllm_flash_attn``) and the version
+    vLLM's batch-invariant mode runs: FA3 on Hopper where built, else FA2 (it replaces FA4 by FA2)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
 
-    version = get_flash_attn_version(head_size=head_size)
-    if version is None:
-        raise ImportError("vLLM found no FlashAttention version for this device")
-    return flash_attn_varlen_func, 2 if version == 4 else version  # FA2 where batch-invariant vLLM does
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    return flash_attn_varlen_func, 3 if hopper and is_fa_version_supported(3) else 2
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -95,7 +95,7 @@ def paged_flash_attention(
     most = int(keys.max())
     if most > k_cache.shape[1]:
         raise ValueError(f"queries see {most} keys but the cache holds {k_cache.shape[1]} slots")
-    fa, version = _flash_attention(dim)
+    fa, version = _flash_attention()
     valid = q_pos >= 0
     pages = -(-most // BLOCK_SIZE)
     width = pages * BLOCK_SIZE

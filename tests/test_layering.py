@@ -19,7 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # rlfw.kernels is installed from the top-level kernels/ folder (pyproject's package-dir).
 PACKAGE_DIRS = {"rlfw.kernels": ROOT / "kernels", "rlfw": ROOT / "rlfw"}
 CLUSTER = ("ray", "deepspeed", "torch.distributed", "rlfw.distributed")
-VLLM_KERNEL_MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.triton_utils")
+VLLM_KERNEL_MODULES = (
+    "vllm.model_executor.determinism.batch_invariant",
+    "vllm.triton_utils",
+    "vllm.vllm_flash_attn",  # vLLM's FlashAttention build (kernels/vllm_attention.py)
+)
 
 
 def module_file(name: str) -> Path | None:

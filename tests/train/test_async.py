@@ -230,7 +230,10 @@ def test_in_flight_updates_end_to_end(root: Path, engine: str, kv_policy: str) -
         if kv_policy == "recompute":
             assert row["ratio/decode_kv/max_abs_log"] == 0.0, row["step"]
     if kv_policy == "keep":
-        assert all(r["ratio/decode_kv/max_abs_log"] > 0.0 for r in spanning)
+        stale = [r["ratio/decode_kv/max_abs_log"] > 0.0 for r in spanning]
+        # vLLM rescores every sequence after the whole generation: when a second push lands after a sample
+        # finished, none of its tokens is at its final version and the step may show only fresh samples.
+        assert all(stale) if engine == "native" else any(stale), stale
     assert "PPO reference is the decode stream" in run.log
 
 
