@@ -220,15 +220,14 @@ class VllmEngine:
         """Hand the decode tap each tracked request's preemption count from vLLM's scheduler (in this
         process), so it can tell a preempted request, whose K/V vLLM recomputes, from one that only went
         unscheduled for a step (:data:`rlfw.rollout.vllm.tap.PREEMPTIONS`)."""
-        from rlfw.rollout.vllm.tap import PREEMPTIONS, TAP_KEY
+        from rlfw.rollout.vllm.tap import PREEMPTIONS, tag_of
 
         counts = PREEMPTIONS.setdefault(self.id, {})
         counts.clear()
         for request in self.llm.llm_engine.engine_core.engine_core.scheduler.requests.values():
-            params = request.sampling_params
-            tag = None if params is None else (params.extra_args or {}).get(TAP_KEY)
-            if tag is not None and tag[0] == self.id:
-                counts[(tag[1], 0 if params.seed is None else int(params.seed))] = request.num_preemptions
+            tagged = tag_of(request.sampling_params)
+            if tagged is not None and tagged[0][0] == self.id:
+                counts[(tagged[0][1], tagged[1])] = request.num_preemptions
 
     @classmethod
     def from_config(

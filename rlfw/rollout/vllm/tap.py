@@ -104,6 +104,15 @@ SAMPLER_PRECISION = ["fp32"]
 STEP_DECODE_LOGITS: list[Tensor] = []
 
 
+def tag_of(params: Any) -> tuple[tuple[str, str, str, dict[str, Any]], int] | None:
+    """A tracked request's tag ``(engine id, request key, kernels, transforms)`` and its sample seed, from
+    its sampling parameters; None for a request the tap does not track."""
+    tag = None if params is None else (params.extra_args or {}).get(TAP_KEY)
+    if tag is None:
+        return None
+    return tag, 0 if params.seed is None else int(params.seed)
+
+
 class SamplerHead:
     """``with SamplerHead(precision):`` the registered model's LM head is the sampler's at ``precision``
     (fp32: the full-precision head itself) for the generation inside the block."""
@@ -148,10 +157,9 @@ class DecodeTap(LogitsProcessor):
             self.rows.pop(index, None)
         for index, params, _prompt, output in batch_update.added:
             self.rows.pop(index, None)
-            tag = (params.extra_args or {}).get(TAP_KEY)
-            if tag is not None:
-                engine, request_key, kernels, transforms = tag
-                seed = 0 if params.seed is None else int(params.seed)
+            tagged = tag_of(params)
+            if tagged is not None:
+                (engine, request_key, kernels, transforms), seed = tagged
                 records = RECORDS.setdefault(engine, {})
                 resumed = records.get((request_key, seed))
                 if resumed is not None and output:  # back in the batch: unscheduled for a while, or preempted
