@@ -26,6 +26,9 @@ the first (which compiles and warms up). Sides:
 * ``rlfw-async-trainer2`` and ``rlfw-async-noprefill-trainer2``: the trainer rank's kernels on every
   core (``trainer.cpu_threads=0``), the engine on one: the trainer, the longer phase, takes the core the
   engine leaves idle once its generation is done;
+* ``rlfw-async-lend``, ``rlfw-async-noprefill-lend``, ``rlfw-sync-lend``: one thread per pool and
+  ``lend_idle_cores=true``: while one pool idles (the engine once its generation is done, the trainer
+  between its steps), the other runs its compiled kernels on both cores;
 * ``rlfw-async-noprefill`` and ``rlfw-async-2ranks-noprefill``: the same with
   ``engine.prefill_fraction=0`` (sampler, decode and trainer streams on every token, no prefill stream;
   allowed because the contract claims prefill and decode bitwise equal here).
@@ -72,6 +75,9 @@ SIDES = {  # rlfw side -> its overrides on top of the shared ones
     "async-2ranks-noprefill": [*ASYNC, "trainer.num_ranks=2", *NO_PREFILL],
     "async-trainer2": [*ASYNC, "trainer.cpu_threads=0"],
     "async-noprefill-trainer2": [*ASYNC, *NO_PREFILL, "trainer.cpu_threads=0"],
+    "async-lend": [*ASYNC, "lend_idle_cores=true"],
+    "async-noprefill-lend": [*ASYNC, *NO_PREFILL, "lend_idle_cores=true"],
+    "sync-lend": ["lend_idle_cores=true"],
 }
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlfw.kernels import matmul
+
 LinearFn = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -34,12 +36,19 @@ class InvariantLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
+        rows = x.reshape(-1, x.shape[-1])
         dx = dw = None
+        if g.device.type == "cpu":  # the compiled kernel: the same bits at any thread count
+            if ctx.needs_input_grad[0]:
+                dx = _as(matmul.grad_input(g, weight).reshape(x.shape), x.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = _as(matmul.grad_weight(g, rows), weight.dtype)
+            return dx, dw, None
         if ctx.needs_input_grad[0]:
             dx = torch.matmul(_as(g, weight.dtype), weight).reshape(x.shape)
             dx = _as(dx, x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _as(torch.matmul(_as(g.t(), x.dtype), x.reshape(-1, x.shape[-1])), weight.dtype)
+            dw = _as(torch.matmul(_as(g.t(), x.dtype), rows), weight.dtype)
         return dx, dw, None
 
 

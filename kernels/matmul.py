@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlfw.kernels import cpu_native
+from rlfw.kernels.threads import widened
 
 ROW_BLOCK = 16
 K_TILE = 256
@@ -105,12 +106,35 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     rows = (rows.float() if rows.dtype != torch.float32 else rows).contiguous()
     panels = _packed(weight) if not (torch.is_grad_enabled() and weight.requires_grad) else None
     if panels is not None:
-        out = cpu_native.module().linear_packed(rows, panels, weight.shape[0])
+        with widened():
+            out = cpu_native.module().linear_packed(rows, panels, weight.shape[0])
     else:
         w = weight.float() if weight.dtype != torch.float32 else weight
-        out = cpu_native.module().linear(rows, w.contiguous())
+        with widened():
+            out = cpu_native.module().linear(rows, w.contiguous())
     out = out.view(*x.shape[:-1], weight.shape[0])
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def grad_input(grad: Tensor, weight: Tensor) -> Tensor:
+    """``grad [M, N] @ weight [N, K] -> [M, K]`` in fp32 (a linear's input gradient) through the compiled
+    kernel: the same bits at any thread count, so a trainer may widen it while a neighbour idles."""
+    return _fixed_order(grad, weight)
+
+
+def grad_weight(grad: Tensor, x: Tensor) -> Tensor:
+    """``grad [M, N].T @ x [M, K] -> [N, K]`` in fp32 (a linear's weight gradient, each element reduced
+    over the ``M`` rows in ascending order) through the compiled kernel, like :func:`grad_input`."""
+    return _fixed_order(grad.t(), x)
+
+
+def _fixed_order(a: Tensor, b: Tensor) -> Tensor:
+    """``a [M, K] @ b [K, N]`` by the compiled kernel (fp32, CPU): ``b`` is read as it lies."""
+    a = (a.float() if a.dtype != torch.float32 else a).contiguous()
+    b = (b.float() if b.dtype != torch.float32 else b).contiguous()
+    with widened():
+        out: Tensor = cpu_native.module().linear_t(a, b)
+    return out
 
 
 def blas_linear(x: Tensor, weight: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ class ModelConfig:
     """Which weights to run and how."""
 
     path: str | None = None  # HF checkpoint folder (model=hf); must be set when `preset` is null
-    preset: str | None = "tiny_dense"  # built-in tiny model built from config: tiny_dense | tiny_moe | null
+    preset: str | None = "tiny_dense"  # built-in tiny model: tiny_dense | tiny_moe | tiny_moe64 | null
     dtype: str = "float32"  # parameter dtype: float32 | bfloat16
     tokenizer: str = "auto"  # auto: the checkpoint's HF tokenizer (tiny for presets) | tiny: built-in chars
     router_replay: bool = False  # R3: the trainer replays the expert ids the rollout chose (MoE only)
@@ -32,7 +32,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_range("model.seed", self.seed, lo=0)
-        check_choice("model.preset", self.preset, ("tiny_dense", "tiny_moe", None))
+        check_choice("model.preset", self.preset, ("tiny_dense", "tiny_moe", "tiny_moe64", None))
         if (self.path is None) == (self.preset is None):
             raise ConfigError(
                 "set exactly one of model.path (an HF checkpoint folder, with model=hf) and model.preset "
@@ -330,6 +330,8 @@ class RunConfig:
     resume: bool = False  # continue the run folder logger.run_name from its last checkpoint
     ray_address: str | None = None  # an existing Ray cluster to join; None starts a local Ray on loopback
     environment_mismatch: str = "refuse"  # ranks/engines on differing stacks: refuse | bound (no bit claims)
+    lend_idle_cores: bool = False  # one machine: a pool whose phase is done lends its cores to the busy
+    # pool's compiled kernels (same bits at any thread count; see README)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -345,9 +347,15 @@ class RunConfig:
         check_choice("kernels", self.kernels, ("invariant", "default"))
         check_range("seed", self.seed, lo=0)
         check_choice("environment_mismatch", self.environment_mismatch, ("refuse", "bound"))
+        if self.lend_idle_cores and self.ray_address:
+            raise ConfigError(
+                "lend_idle_cores=true shares one machine's cores between the pools; it needs a local run "
+                "(drop ray_address, or set lend_idle_cores=false)"
+            )
         if self.model.router_replay and self.model.preset == "tiny_dense":
             raise ConfigError(
-                "model.router_replay=true needs an MoE model (model.preset=tiny_moe or an MoE path)"
+                "model.router_replay=true needs an MoE model (model.preset=tiny_moe or tiny_moe64, or an MoE "
+                "checkpoint)"
             )
         if self.model.router_replay and self.engine.name == "vllm" and self.engine.vllm.model != "rlfw":
             raise ConfigError(

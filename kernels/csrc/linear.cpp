@@ -40,6 +40,20 @@ void pack_into(const float* w, int64_t n, int64_t k, float* out) {
     }
 }
 
+// wt [K, N] (a weight given transposed) -> the same panels as pack_into(wt.T): panel p holds columns
+// 16 p .. 16 p + 15 of wt, row by row, so no transposed copy is made first.
+void pack_transposed_into(const float* wt, int64_t k, int64_t n, float* out) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t cols = std::min(kPanel, n - p * kPanel);
+    for (int64_t i = 0; i < k; ++i) {
+      float* dst = out + (p * k + i) * kPanel;
+      std::copy(wt + i * n + p * kPanel, wt + i * n + p * kPanel + cols, dst);
+      std::fill(dst + cols, dst + kPanel, 0.0f);
+    }
+  }
+}
+
 #if RLFW_AVX2
 // R rows x P panels (16 P output features): 2 R P accumulators, each one element's fma chain over k.
 template <int R, int P>
@@ -237,6 +251,18 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
 #endif
   std::vector<float> packed(((n + kPanel - 1) / kPanel) * k * kPanel);
   pack_into(weight.data_ptr<float>(), n, k, packed.data());
+  return run_packed(x, packed.data(), n);
+}
+
+// x [M, K] @ wt [K, N] (the weight given transposed, as a backward pass holds it), fp32 and contiguous;
+// returns [M, N]: each element the same fma chain over k ascending as linear(x, wt.T) gives it.
+torch::Tensor linear_t(const torch::Tensor& x, const torch::Tensor& wt) {
+  TORCH_CHECK(wt.dim() == 2 && wt.scalar_type() == at::kFloat && wt.is_contiguous(),
+              "linear_t: contiguous fp32 wt [K, N]");
+  check_x(x, wt.size(0));
+  const int64_t k = wt.size(0), n = wt.size(1);
+  std::vector<float> packed(((n + kPanel - 1) / kPanel) * k * kPanel);
+  pack_transposed_into(wt.data_ptr<float>(), k, n, packed.data());
   return run_packed(x, packed.data(), n);
 }
 

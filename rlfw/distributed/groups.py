@@ -12,6 +12,7 @@ from ray.exceptions import RayActorError
 
 from rlfw.config import EngineConfig
 from rlfw.distributed.cluster import Pool, free_port
+from rlfw.distributed.cores import Seat
 from rlfw.distributed.rollout_worker import ACTOR_CONCURRENCY, RolloutActor
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.trainer_worker import TrainerActor
@@ -48,16 +49,26 @@ class RolloutGroup:
     request re-issued: results count only from calls that completed, so no sample is lost or doubled."""
 
     def __init__(
-        self, pool: Pool, spec: ModelSpec, engine_cfg: EngineConfig, stop_ids: list[int], contract_hash: str
+        self,
+        pool: Pool,
+        spec: ModelSpec,
+        engine_cfg: EngineConfig,
+        stop_ids: list[int],
+        contract_hash: str,
+        ledger: str | None = None,
     ) -> None:
+        """``ledger``: the core ledger's path under ``lend_idle_cores=true`` (actor ``i`` sits in seat
+        ``i``)."""
         self.pool, self.args = pool, (spec, engine_cfg, stop_ids, contract_hash)
+        self.ledger = ledger
         self.actors: list[Any] = [self._spawn(i) for i in range(pool.size)]  # actor handles
         self.latest: Any = None  # ObjectRef of the last WeightUpdate, loaded into replacements
         self.restarts = 0
 
     def _spawn(self, index: int) -> Any:
         options = self.pool.options(index) | {"max_concurrency": ACTOR_CONCURRENCY}
-        return RolloutActor.options(**options).remote(*self.args)
+        seat = None if self.ledger is None else Seat(self.ledger, index)
+        return RolloutActor.options(**options).remote(*self.args, seat)
 
     def _replace(self, index: int) -> None:
         log.warning("rollout actor %d died; restarting it from the last published version", index)
@@ -132,11 +143,29 @@ class TrainerGroup:
     """The data-parallel trainer ranks; each step's batch is split into contiguous row shards."""
 
     def __init__(
-        self, pool: Pool, spec: ModelSpec, optim: OptimConfig, step: StepSpec, cpu_threads: int = 1
+        self,
+        pool: Pool,
+        spec: ModelSpec,
+        optim: OptimConfig,
+        step: StepSpec,
+        cpu_threads: int = 1,
+        ledger: str | None = None,
+        first_seat: int = 0,
     ) -> None:
+        """``ledger``: the core ledger's path under ``lend_idle_cores=true``; rank ``r`` sits in seat
+        ``first_seat + r`` (after the engine actors')."""
         port = free_port()
         self.actors: list[Any] = [  # actor handles
-            TrainerActor.options(**pool.options(r)).remote(r, pool.size, port, spec, optim, step, cpu_threads)
+            TrainerActor.options(**pool.options(r)).remote(
+                r,
+                pool.size,
+                port,
+                spec,
+                optim,
+                step,
+                cpu_threads,
+                None if ledger is None else Seat(ledger, first_seat + r),
+            )
             for r in range(pool.size)
         ]
         self.dead: int | None = None  # the rank that died, once one has

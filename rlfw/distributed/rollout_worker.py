@@ -24,6 +24,7 @@ import ray
 
 from rlfw.config import EngineConfig
 from rlfw.distributed.cluster import peak_rss_mb, use_cpu_threads
+from rlfw.distributed.cores import Seat, join, working
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup
 from rlfw.rollout.engine import Engine
@@ -35,10 +36,15 @@ class RolloutWorker:
     """Generates samples at the weight version it holds; loads published versions on request."""
 
     def __init__(
-        self, spec: ModelSpec, engine_cfg: EngineConfig, stop_ids: list[int], contract_hash: str
+        self,
+        spec: ModelSpec,
+        engine_cfg: EngineConfig,
+        stop_ids: list[int],
+        contract_hash: str,
+        seat: Seat | None = None,
     ) -> None:
         self.engine: Engine
-        use_cpu_threads(engine_cfg.cpu_threads)
+        self.cores = join(seat, use_cpu_threads(engine_cfg.cpu_threads))  # lend_idle_cores=true
         if engine_cfg.name == "vllm":
             from rlfw.rollout.vllm.engine import VllmEngine
 
@@ -69,10 +75,11 @@ class RolloutWorker:
             self._turn.wait_for(lambda: not self._generating)
             self._generating = True
         try:
-            if self.in_flight:
-                samples = self.engine.generate(request, between_steps=self._load_handed)
-            else:
-                samples = self.engine.generate(request)
+            with working(self.cores):
+                if self.in_flight:
+                    samples = self.engine.generate(request, between_steps=self._load_handed)
+                else:
+                    samples = self.engine.generate(request)
         finally:
             with self._turn:
                 self._generating = False

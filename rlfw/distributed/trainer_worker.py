@@ -9,8 +9,11 @@ import ray
 import torch
 
 from rlfw.distributed.cluster import peak_rss_mb, use_cpu_threads
+from rlfw.distributed.cores import Seat, join, working
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup, describe
+from rlfw.kernels import threads
+from rlfw.logging.metrics import CORES_TRAINER_WIDENED_FRAC
 from rlfw.trainer.deepspeed_backend import DeepSpeedBackend, OptimConfig
 from rlfw.trainer.step import StepSpec, train_step
 from rlfw.types import TrainBatch, TrainResult, WeightUpdate
@@ -28,10 +31,11 @@ class TrainerWorker:
         optim: OptimConfig,
         step: StepSpec,
         cpu_threads: int = 1,
+        seat: Seat | None = None,
     ) -> None:
         import deepspeed
 
-        use_cpu_threads(cpu_threads)
+        self.cores = join(seat, use_cpu_threads(cpu_threads))  # lend_idle_cores=true
 
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
@@ -53,9 +57,16 @@ class TrainerWorker:
         self.rank = rank
 
     def train(self, batch: TrainBatch, num_tokens: int, num_sequences: int) -> TrainResult:
-        return train_step(
-            self.backend, self.model, batch, self.step_spec, num_tokens, num_sequences, self.reference
-        )
+        calls_before, widened_before = threads.counts()
+        with working(self.cores):
+            result = train_step(
+                self.backend, self.model, batch, self.step_spec, num_tokens, num_sequences, self.reference
+            )
+        if self.cores is not None:  # the share of this step's kernel calls that ran on borrowed cores
+            calls, widened = threads.counts()
+            share = (widened - widened_before) / max(calls - calls_before, 1)
+            result.scalars[CORES_TRAINER_WIDENED_FRAC] = share
+        return result
 
     def publish(self, version: int, contract_hash: str) -> list[Any]:
         """Gather the full weights (every rank must call it: a collective under ZeRO-3); rank 0 puts one

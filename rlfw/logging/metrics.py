@@ -90,6 +90,10 @@ MEMORY_TRAINER_PEAK_RSS_MB = "memory/trainer_peak_rss_mb"
 MEMORY_KEYS: tuple[str, ...] = (MEMORY_ROLLOUT_PEAK_RSS_MB, MEMORY_TRAINER_PEAK_RSS_MB)
 """Peak resident memory of the largest engine actor and trainer rank so far (MiB), logged every step."""
 
+CORES_TRAINER_WIDENED_FRAC = "cores/trainer_widened_frac"
+"""``lend_idle_cores=true``: the share of the trainer's compiled-kernel calls in the step that ran on
+cores an idle pool lent it (rlfw.distributed.cores)."""
+
 # Evaluation on held-out prompts (rlfw.train.evaluate), on the steps `eval.every` names.
 EVAL_REWARD_MEAN = "eval/reward_mean"
 EVAL_PASS_AT_1 = "eval/pass@1"
@@ -118,6 +122,7 @@ OPTIONAL_RUN_KEYS: tuple[str, ...] = (
     TIME_SYNC,
     *MEMORY_KEYS,
     *EVAL_KEYS,
+    CORES_TRAINER_WIDENED_FRAC,
 )
 
 

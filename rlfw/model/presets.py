@@ -34,6 +34,16 @@ PRESETS: dict[str, ModelArgs] = {
         moe_intermediate_size=64,
         norm_topk_prob=True,
     ),
+    # Many small experts (64, top-8): the routing a bounded kernel mismatch can flip in bf16 (about 0.6%
+    # of (token, layer) pairs against 0.04% for tiny_moe; bench/moe_routing_flips.py), for R3 studies.
+    "tiny_moe64": replace(
+        TINY_DENSE,
+        model_type="qwen3_moe",
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
 }
 
 

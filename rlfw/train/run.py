@@ -22,6 +22,7 @@ import ray
 from rlfw.compose import to_yaml
 from rlfw.config import RunConfig
 from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool, placement_fingerprints
+from rlfw.distributed.cores import LEDGER_FILE, create_ledger
 from rlfw.distributed.groups import RolloutGroup, TrainerGroup, TrainerRankDied
 from rlfw.distributed.weight_sync import make_sync
 from rlfw.logging.logger import RunLogger
@@ -59,9 +60,18 @@ def train(run: RunConfig) -> int:
         if ray.is_initialized():
             ray.shutdown()
         raise
-    rollout = RolloutGroup(rollout_pool, setup.model, run.engine, setup.stop_ids, setup.contract.hash)
+    ledger = None
+    if run.lend_idle_cores:  # one machine: the pools lend each other the cores of a finished phase
+        ledger = str(create_ledger(run_dir, run.engine.num_actors + run.trainer.num_ranks))
+    rollout = RolloutGroup(rollout_pool, setup.model, run.engine, setup.stop_ids, setup.contract.hash, ledger)
     trainer = TrainerGroup(
-        trainer_pool, setup.model, optim_config(run), step_spec(run, setup), run.trainer.cpu_threads
+        trainer_pool,
+        setup.model,
+        optim_config(run),
+        step_spec(run, setup),
+        run.trainer.cpu_threads,
+        ledger,
+        first_seat=run.engine.num_actors,
     )
     weights = EngineWeights(make_sync(run.sync.transport), trainer, rollout, setup.contract.hash)
     state = (
@@ -133,6 +143,7 @@ def train(run: RunConfig) -> int:
             trainer.shutdown()
         finally:
             ray.shutdown()
+            (run_dir / LEDGER_FILE).unlink(missing_ok=True)
     return code
 
 

@@ -79,3 +79,46 @@ def test_grad_forward_equals_no_grad_forward(inv: InvariantOps) -> None:
     with torch.no_grad():
         scoring = inv.linear(x, weight)
     assert_same_bits(inv.linear(x.requires_grad_(), weight.requires_grad_()), scoring)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 5, 3), (37, 70, 19), (64, 300, 48), (300, 1120, 40)])
+def test_weight_given_transposed_gives_the_bits_of_the_weight_as_it_lies(m: int, k: int, n: int) -> None:
+    """The backward's kernel (``linear_t``, packing panels from ``W.T`` without a transposed copy)
+    computes every element by the forward kernel's fma chain: the same bits as ``linear(x, W)``."""
+    from rlfw.kernels import cpu_native
+
+    g = torch.Generator().manual_seed(m * k + n)
+    x, wt = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    mod = cpu_native.module()
+    assert_same_bits(mod.linear_t(x, wt), mod.linear(x, wt.t().contiguous()), f"{(m, k, n)}")
+
+
+def _at_threads(threads: int, fn):  # noqa: ANN001, ANN202 - a thunk and its result
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gradients_do_not_depend_on_the_thread_count_or_on_lent_threads(inv: InvariantOps) -> None:
+    """``lend_idle_cores``: a trainer widens its linears' backward while a neighbour idles, at any
+    moment, so dx and dW must be the same bits on one thread, on four, and on one widened to four."""
+    from rlfw.kernels import threads
+
+    g = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(4, 70, 512, generator=g), torch.randn(384, 512, generator=g)
+    up = torch.randn(4, 70, 384, generator=g)
+    one = _at_threads(1, lambda: _grads(inv.linear, x, weight, up))
+    four = _at_threads(4, lambda: _grads(inv.linear, x, weight, up))
+    threads.set_lender(lambda: 4)
+    try:
+        lent = _at_threads(1, lambda: _grads(inv.linear, x, weight, up))
+        calls, widened = threads.counts()
+        assert widened > 0 and calls >= widened
+    finally:
+        threads.set_lender(None)
+    for name, a, b, c in zip(("dx", "dW"), one, four, lent, strict=True):
+        assert_same_bits(a, b, f"{name}: 1 vs 4 threads")
+        assert_same_bits(a, c, f"{name}: 1 vs 1 widened to 4")

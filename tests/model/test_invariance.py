@@ -190,3 +190,42 @@ def test_row_ops_on_wide_rows_do_not_depend_on_the_thread_count() -> None:
     names = ["log_softmax", "token_logp", "rms_norm", "linear (few rows)", "linear (many rows)"]
     for name, a, b in zip(names, _at_threads(1, run), _at_threads(4, run), strict=True):
         assert same_bits(a, b), name
+
+
+def _train_grads(model: Transformer, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    _token_logp(model, model(ids), ids).sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradients_do_not_change_when_idle_cores_are_lent() -> None:
+    """``lend_idle_cores=true`` widens only the compiled kernels (forward and the linears' backward), at
+    whatever moments a neighbour idles; every gradient must keep its bits. The control shows the hazard
+    this guards against: running the whole backward on more threads does change gradient bits here
+    (the recomputed attention's backward reduces in a thread-dependent order)."""
+    from rlfw.kernels import threads
+    from rlfw.model.config import ModelArgs
+
+    args = ModelArgs("qwen3", 96, 256, 512, 2, 4, 2, 64)
+    torch.manual_seed(0)
+    model = Transformer(args, kernels="invariant").train()
+    ids = torch.randint(4, 96, (16, 70), generator=torch.Generator().manual_seed(1))
+    one = _at_threads_grad(1, lambda: _train_grads(model, ids))
+    threads.set_lender(lambda: 4)
+    try:
+        lent = _at_threads_grad(1, lambda: _train_grads(model, ids))
+    finally:
+        threads.set_lender(None)
+    whole = _at_threads_grad(4, lambda: _train_grads(model, ids))
+    for name in one:
+        assert same_bits(one[name], lent[name]), name
+    assert any(not same_bits(one[name], whole[name]) for name in one)
+
+
+def _at_threads_grad(threads: int, fn):  # noqa: ANN001, ANN202 - a thunk and its result
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import signal
 import statistics
 from pathlib import Path
@@ -196,6 +197,25 @@ def test_dlc_runs_end_to_end_in_async_mode(root: Path) -> None:
     assert rows[1]["sync/version_gap_max"] == 1.0  # pipelined: trained one version after it was drawn
     assert rows[0]["ratio/trainer_numerics/max_abs_log"] == 0.0  # same weights, invariant kernels
     assert "PPO reference is the prefill stream" in run.log
+
+
+@pytest.mark.slow
+def test_lending_idle_cores_changes_no_value_the_run_logs(root: Path) -> None:
+    """``lend_idle_cores=true``: the trainer borrows the engine's core once the generation in flight is
+    done (the engine the trainer's between steps). Only the compiled kernels widen, and they give the
+    same bits at any thread count, so every logged value matches the run without lending."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("lending needs a second core")
+    args = (*SMALL, "trainer.steps=3", "sync=async", "correction=dlc")
+    plain = run_train(root, "cores-own", *args)
+    lent = run_train(root, "cores-lent", *args, "lend_idle_cores=true")
+    assert plain.returncode == 0, plain.log[-3000:]
+    assert lent.returncode == 0, lent.log[-3000:]
+    rows = lent.metrics()
+    widened = [r.pop("cores/trainer_widened_frac") for r in rows]
+    assert [comparable(r) for r in rows] == [comparable(r) for r in plain.metrics()]
+    assert widened[-1] > 0  # the last step trains while the engine has nothing left to generate
+    assert not (lent.run_dir / "cores.ledger").exists()
 
 
 @pytest.mark.slow
