@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlfw.kernels import matmul
+from rlfw.kernels import matmul, threads
 
 LinearFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -38,7 +38,8 @@ class InvariantLinear(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         rows = x.reshape(-1, x.shape[-1])
         dx = dw = None
-        if g.device.type == "cpu":  # the compiled kernel: the same bits at any thread count
+        if g.device.type == "cpu" and threads.lending():  # cores lent at any moment: the compiled
+            # kernel, whose bits do not depend on the thread count
             if ctx.needs_input_grad[0]:
                 dx = _as(matmul.grad_input(g, weight).reshape(x.shape), x.dtype)
             if ctx.needs_input_grad[1]:

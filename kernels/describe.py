@@ -21,10 +21,7 @@ def _linear_record(backend: str) -> dict[str, Any]:
         blocks = {"row_block": tc.MM_BLOCK_M, "col_block": tc.MM_BLOCK_N, "k_tile": tc.MM_BLOCK_K}
         return {"impl": "triton_tiled_matmul", **blocks, **common}
     if not torch.cuda.is_available():  # CPU tensors: the compiled kernel (kernels/csrc/linear.cpp)
-        # the backward's two products run the same kernel (the same bits at any thread count, which
-        # lend_idle_cores relies on)
-        order = "one fma per k, ascending, from +0"
-        return {"impl": "cpp_fma_chain", "order": order, "backward": "cpp_fma_chain", **common}
+        return {"impl": "cpp_fma_chain", "order": "one fma per k, ascending, from +0", **common}
     blocks = {"row_block": matmul.ROW_BLOCK, "col_block": None, "k_tile": matmul.K_TILE}
     return {"impl": "torch_row_block_matmul", **blocks, **common}
 

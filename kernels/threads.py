@@ -28,6 +28,12 @@ def set_lender(lender: Callable[[], int] | None) -> None:
     _lender = lender
 
 
+def lending() -> bool:
+    """Whether a lender is installed (``lend_idle_cores=true``): the linears' backward then runs the
+    compiled kernel too, so gradients keep their bits whenever threads are lent."""
+    return _lender is not None
+
+
 @contextmanager
 def widened() -> Iterator[None]:
     """Run the enclosed kernel call on the lender's thread count when it exceeds this thread's own."""

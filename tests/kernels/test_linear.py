@@ -104,21 +104,22 @@ def _at_threads(threads: int, fn):  # noqa: ANN001, ANN202 - a thunk and its res
 
 def test_gradients_do_not_depend_on_the_thread_count_or_on_lent_threads(inv: InvariantOps) -> None:
     """``lend_idle_cores``: a trainer widens its linears' backward while a neighbour idles, at any
-    moment, so dx and dW must be the same bits on one thread, on four, and on one widened to four."""
+    moment, so with a lender installed dx and dW must be the same bits on its own thread, widened to
+    four, and on four threads of its own."""
     from rlfw.kernels import threads
 
     g = torch.Generator().manual_seed(7)
     x, weight = torch.randn(4, 70, 512, generator=g), torch.randn(384, 512, generator=g)
     up = torch.randn(4, 70, 384, generator=g)
-    one = _at_threads(1, lambda: _grads(inv.linear, x, weight, up))
-    four = _at_threads(4, lambda: _grads(inv.linear, x, weight, up))
-    threads.set_lender(lambda: 4)
-    try:
-        lent = _at_threads(1, lambda: _grads(inv.linear, x, weight, up))
-        calls, widened = threads.counts()
-        assert widened > 0 and calls >= widened
-    finally:
-        threads.set_lender(None)
-    for name, a, b, c in zip(("dx", "dW"), one, four, lent, strict=True):
-        assert_same_bits(a, b, f"{name}: 1 vs 4 threads")
-        assert_same_bits(a, c, f"{name}: 1 vs 1 widened to 4")
+    results = []
+    for lent, own in ((1, 1), (4, 1), (1, 4)):
+        threads.set_lender(lambda lent=lent: lent)  # type: ignore[misc]
+        try:
+            results.append(_at_threads(own, lambda: _grads(inv.linear, x, weight, up)))
+        finally:
+            threads.set_lender(None)
+    calls, widened = threads.counts()
+    assert widened > 0 and calls >= widened
+    for name, a, b, c in zip(("dx", "dW"), *results, strict=True):
+        assert_same_bits(a, b, f"{name}: 1 thread vs widened to 4")
+        assert_same_bits(a, c, f"{name}: 1 vs 4 own threads")

@@ -210,15 +210,16 @@ def test_gradients_do_not_change_when_idle_cores_are_lent() -> None:
     torch.manual_seed(0)
     model = Transformer(args, kernels="invariant").train()
     ids = torch.randint(4, 96, (16, 70), generator=torch.Generator().manual_seed(1))
-    one = _at_threads_grad(1, lambda: _train_grads(model, ids))
-    threads.set_lender(lambda: 4)
-    try:
-        lent = _at_threads_grad(1, lambda: _train_grads(model, ids))
-    finally:
-        threads.set_lender(None)
-    whole = _at_threads_grad(4, lambda: _train_grads(model, ids))
+    grads = {}
+    for lent, own in ((1, 1), (4, 1), (4, 4)):
+        threads.set_lender(lambda lent=lent: lent)  # type: ignore[misc]
+        try:
+            grads[lent, own] = _at_threads_grad(own, lambda: _train_grads(model, ids))
+        finally:
+            threads.set_lender(None)
+    one, lent_to_four, whole = grads[1, 1], grads[4, 1], grads[4, 4]
     for name in one:
-        assert same_bits(one[name], lent[name]), name
+        assert same_bits(one[name], lent_to_four[name]), name
     assert any(not same_bits(one[name], whole[name]) for name in one)
 
 
