@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -53,3 +56,14 @@ def surround(row: Tensor, lead: tuple[int, ...], at: tuple[int, ...], kind: str,
 
 
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the enclosed code with torch on ``threads`` threads, then restore the count it had."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from rlfw.kernels.default import DefaultOps
 from rlfw.kernels.invariant import InvariantOps
-from tests.kernels.bits import DTYPES, assert_same_bits, bits, embed_row
+from tests.kernels.bits import DTYPES, assert_same_bits, bits, embed_row, torch_threads
 
 N_ROWS = range(1, 71)
 
@@ -93,15 +93,6 @@ def test_weight_given_transposed_gives_the_bits_of_the_weight_as_it_lies(m: int,
     assert_same_bits(mod.linear_t(x, wt), mod.linear(x, wt.t().contiguous()), f"{(m, k, n)}")
 
 
-def _at_threads(threads: int, fn):  # noqa: ANN001, ANN202 - a thunk and its result
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_gradients_do_not_depend_on_the_thread_count_or_on_lent_threads(inv: InvariantOps) -> None:
     """``lend_idle_cores``: a trainer widens its linears' backward while a neighbour idles, at any
     moment, so with a lender installed dx and dW must be the same bits on its own thread, widened to
@@ -115,7 +106,8 @@ def test_gradients_do_not_depend_on_the_thread_count_or_on_lent_threads(inv: Inv
     for lent, own in ((1, 1), (4, 1), (1, 4)):
         threads.set_lender(lambda lent=lent: lent)  # type: ignore[misc]
         try:
-            results.append(_at_threads(own, lambda: _grads(inv.linear, x, weight, up)))
+            with torch_threads(own):
+                results.append(_grads(inv.linear, x, weight, up))
         finally:
             threads.set_lender(None)
     calls, widened = threads.counts()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlfw.model import RouterTrace, Transformer, build_preset
+from tests.kernels.bits import torch_threads
 
 PRESETS = ["tiny_dense", "tiny_moe"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -142,13 +143,8 @@ def test_default_kernels_break_prefill_decode_parity() -> None:
 
 
 def _at_threads(threads: int, fn):  # noqa: ANN001, ANN202 - a thunk and its result
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            return fn()
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(threads), torch.no_grad():
+        return fn()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -214,19 +210,11 @@ def test_gradients_do_not_change_when_idle_cores_are_lent() -> None:
     for lent, own in ((1, 1), (4, 1), (4, 4)):
         threads.set_lender(lambda lent=lent: lent)  # type: ignore[misc]
         try:
-            grads[lent, own] = _at_threads_grad(own, lambda: _train_grads(model, ids))
+            with torch_threads(own):
+                grads[lent, own] = _train_grads(model, ids)
         finally:
             threads.set_lender(None)
     one, lent_to_four, whole = grads[1, 1], grads[4, 1], grads[4, 4]
     for name in one:
         assert same_bits(one[name], lent_to_four[name]), name
     assert any(not same_bits(one[name], whole[name]) for name in one)
-
-
-def _at_threads_grad(threads: int, fn):  # noqa: ANN001, ANN202 - a thunk and its result
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
