@@ -50,35 +50,90 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-// acc[d] = fma(w, v[d], acc[d]) for every d (each lane its own chain).
-inline void axpy(float w, const float* v, float* acc, int64_t d) {
-  int64_t i = 0;
 #if RLFW_AVX2
-  const __m256 wv = _mm256_set1_ps(w);
-  for (; i + kLanes <= d; i += kLanes)
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-#endif
-  for (; i < d; ++i) acc[i] = std::fma(w, v[i], acc[i]);
+// Eight dot products at once: the same fma chains as dot() (lane j of key k's accumulator sums d = j, j + 8,
+// ...), their lanes transposed so that one vector add per fold step folds all eight in dot()'s order.
+// Eight independent chains keep the FMA units busy where one chain waits on its own latency.
+inline void dot8(const float* a, const float* const b[kLanes], int64_t d, float out[kLanes]) {
+  const int64_t d8 = d - d % kLanes;
+  __m256 acc[kLanes];
+  for (int64_t k = 0; k < kLanes; ++k) acc[k] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d8; i += kLanes) {
+    const __m256 av = _mm256_loadu_ps(a + i);
+    for (int64_t k = 0; k < kLanes; ++k) acc[k] = _mm256_fmadd_ps(av, _mm256_loadu_ps(b[k] + i), acc[k]);
+  }
+  // Transpose: t[j] holds lane j of every key's accumulator.
+  const __m256 u0 = _mm256_unpacklo_ps(acc[0], acc[1]), u1 = _mm256_unpackhi_ps(acc[0], acc[1]);
+  const __m256 u2 = _mm256_unpacklo_ps(acc[2], acc[3]), u3 = _mm256_unpackhi_ps(acc[2], acc[3]);
+  const __m256 u4 = _mm256_unpacklo_ps(acc[4], acc[5]), u5 = _mm256_unpackhi_ps(acc[4], acc[5]);
+  const __m256 u6 = _mm256_unpacklo_ps(acc[6], acc[7]), u7 = _mm256_unpackhi_ps(acc[6], acc[7]);
+  const __m256 s0 = _mm256_shuffle_ps(u0, u2, 0x44), s1 = _mm256_shuffle_ps(u0, u2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(u1, u3, 0x44), s3 = _mm256_shuffle_ps(u1, u3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(u4, u6, 0x44), s5 = _mm256_shuffle_ps(u4, u6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(u5, u7, 0x44), s7 = _mm256_shuffle_ps(u5, u7, 0xEE);
+  const __m256 t0 = _mm256_permute2f128_ps(s0, s4, 0x20), t4 = _mm256_permute2f128_ps(s0, s4, 0x31);
+  const __m256 t1 = _mm256_permute2f128_ps(s1, s5, 0x20), t5 = _mm256_permute2f128_ps(s1, s5, 0x31);
+  const __m256 t2 = _mm256_permute2f128_ps(s2, s6, 0x20), t6 = _mm256_permute2f128_ps(s2, s6, 0x31);
+  const __m256 t3 = _mm256_permute2f128_ps(s3, s7, 0x20), t7 = _mm256_permute2f128_ps(s3, s7, 0x31);
+  const __m256 folded = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(t0, t4), _mm256_add_ps(t2, t6)),
+                                      _mm256_add_ps(_mm256_add_ps(t1, t5), _mm256_add_ps(t3, t7)));
+  _mm256_storeu_ps(out, folded);
+  for (int64_t k = 0; k < kLanes; ++k)
+    for (int64_t i = d8; i < d; ++i) out[k] = std::fma(a[i], b[k][i], out[k]);
 }
 
-// One query row over positions 0 .. p: key(i) and value(i) give position i's K and V rows (fp32, D floats).
-// e holds at least p + 1 floats, acc D floats.
+// acc[d] += w_i * v_i[d] for i = 0 .. p, each element's one fma chain ascending in i, for NV
+// vectors of d held in registers across the whole walk instead of reloaded and stored at every position.
+template <int NV, typename Value>
+inline void weighted_sum(const float* e, int64_t p, const Value& value, int64_t offset, float* acc) {
+  __m256 a[NV];
+  for (int k = 0; k < NV; ++k) a[k] = _mm256_loadu_ps(acc + offset + k * kLanes);
+  for (int64_t i = 0; i <= p; ++i) {
+    const __m256 wv = _mm256_set1_ps(e[i]);
+    const float* v = value(i) + offset;
+    for (int k = 0; k < NV; ++k) a[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + k * kLanes), a[k]);
+  }
+  for (int k = 0; k < NV; ++k) _mm256_storeu_ps(acc + offset + k * kLanes, a[k]);
+}
+#endif
+
+// One query row over positions 0 .. p: key(i, k) and value(i) give position i's K and V rows (fp32, D
+// floats; k in 0..7 names a scratch row where a K row must be widened, so eight can be live at once).
+// e holds at least p + 1 floats, acc D floats. The arithmetic is the header's: the AVX2 path computes
+// eight scores at once and keeps the output row in registers, the same fma chains in the same order.
 template <typename Key, typename Value>
 inline void attend_row(const float* qrow, int64_t p, int64_t d, float sc, const Key& key, const Value& value,
                        float* e, float* acc, float* orow) {
-  float m = -INFINITY;
-  for (int64_t i = 0; i <= p; ++i) {
-    e[i] = dot(qrow, key(i), d) * sc;
-    m = std::max(m, e[i]);
+  int64_t i = 0;
+#if RLFW_AVX2
+  for (; i + kLanes <= p + 1; i += kLanes) {
+    const float* keys[kLanes];
+    for (int64_t k = 0; k < kLanes; ++k) keys[k] = key(i + k, k);
+    dot8(qrow, keys, d, e + i);
+    for (int64_t k = 0; k < kLanes; ++k) e[i + k] *= sc;
   }
+#endif
+  for (; i <= p; ++i) e[i] = dot(qrow, key(i, 0), d) * sc;
+  float m = -INFINITY;
+  for (i = 0; i <= p; ++i) m = std::max(m, e[i]);
   float denom = 0.0f;
-  for (int64_t i = 0; i <= p; ++i) {
+  for (i = 0; i <= p; ++i) {
     e[i] = std::exp(e[i] - m);
     denom += e[i];
   }
   std::fill(acc, acc + d, 0.0f);
-  for (int64_t i = 0; i <= p; ++i) axpy(e[i], value(i), acc, d);
-  for (int64_t j = 0; j < d; ++j) orow[j] = acc[j] / denom;
+  int64_t j = 0;
+#if RLFW_AVX2
+  constexpr int64_t kBlock = 8 * kLanes;  // eight accumulators in registers
+  for (; j + kBlock <= d; j += kBlock) weighted_sum<8>(e, p, value, j, acc);
+  for (; j + kLanes <= d; j += kLanes) weighted_sum<1>(e, p, value, j, acc);
+#endif
+  if (j < d)
+    for (i = 0; i <= p; ++i) {
+      const float* v = value(i);
+      for (int64_t c = j; c < d; ++c) acc[c] = std::fma(e[i], v[c], acc[c]);
+    }
+  for (j = 0; j < d; ++j) orow[j] = acc[j] / denom;
 }
 
 }  // namespace
@@ -117,7 +172,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     std::vector<float> acc(d);
     for (int64_t task = i0; task < i1; ++task) {
       const int64_t bi = task / hq, h = task % hq, kvh = h / group, ri = row[bi];
-      const auto key = [&](int64_t i) { return kp + ((ri * s + i) * hkv + kvh) * d; };
+      const auto key = [&](int64_t i, int64_t) { return kp + ((ri * s + i) * hkv + kvh) * d; };
       const auto value = [&](int64_t i) { return vp + ((ri * s + i) * hkv + kvh) * d; };
       for (int64_t ti = 0; ti < t; ++ti) {
         const int64_t p = pos[bi * t + ti];
@@ -152,14 +207,14 @@ void paged(const float* qp, const T* kv, const int64_t* seq, const int64_t* pos,
   // One task per (query token, query head).
   at::parallel_for(0, n * hq, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> e(max_pos + 1);
-    std::vector<float> acc(d), kbuf(d), vbuf(d);
+    std::vector<float> acc(d), kbuf(kLanes * d), vbuf(d);
     for (int64_t task = i0; task < i1; ++task) {
       const int64_t ti = task / hq, h = task % hq, kvh = h / group, p = pos[ti];
       if (p < 0) continue;
       const int64_t* blocks = table + seq[ti] * max_blocks;
       // Block b, head kvh: `block` key rows, then `block` value rows, each d wide.
       const auto at = [&](int64_t i) { return kv + ((blocks[i / block] * hkv + kvh) * 2 * block + i % block) * d; };
-      const auto key = [&](int64_t i) { return widen(at(i), kbuf.data(), d); };
+      const auto key = [&](int64_t i, int64_t k) { return widen(at(i), kbuf.data() + k * d, d); };
       const auto value = [&](int64_t i) { return widen(at(i) + block * d, vbuf.data(), d); };
       attend_row(qp + (ti * hq + h) * d, p, d, sc, key, value, e.data(), acc.data(), op + (ti * hq + h) * d);
     }

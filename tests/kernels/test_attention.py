@@ -3,6 +3,10 @@ neighbours all give a query the same bits. If one of these breaks, prefill and d
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
+import numpy as np
 import pytest
 import torch
 
@@ -185,3 +189,61 @@ def test_reading_cache_rows_in_place_gives_the_bits_of_the_gathered_rows(dtype: 
     with pytest.raises(RuntimeError, match="cache row 9"):
         inv = InvariantOps(backend="torch")
         inv.attention(q.float(), cache_k.float(), cache_v.float(), pos, SCALE, bad_rows)
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _fma32(a: float, b: float, c: float) -> float:
+    """fp32 fma: the product of two floats is exact in a double, so one rounding of the double sum."""
+    return _f32(a * b + c)
+
+
+def _row_as_documented(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: int, scale: float) -> np.ndarray:
+    """One query row over positions 0..p in exactly the order kernels/csrc/attention.cpp's header states,
+    one float at a time (libm's expf, as the kernel's std::exp calls it)."""
+    expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
+    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    d = q.shape[0]
+    d8 = d - d % 8
+    scores = []
+    for i in range(p + 1):
+        lanes = [0.0] * 8
+        for j in range(d8):
+            lanes[j % 8] = _fma32(float(q[j]), float(k[i, j]), lanes[j % 8])
+        a = _f32(_f32(lanes[0] + lanes[4]) + _f32(lanes[2] + lanes[6]))
+        b = _f32(_f32(lanes[1] + lanes[5]) + _f32(lanes[3] + lanes[7]))
+        s = _f32(a + b)
+        for j in range(d8, d):
+            s = _fma32(float(q[j]), float(k[i, j]), s)
+        scores.append(_f32(s * scale))
+    m = max(scores)
+    e = [float(expf(_f32(s - m))) for s in scores]
+    denom = 0.0
+    for x in e:
+        denom = _f32(denom + x)
+    out = []
+    for j in range(d):
+        acc = 0.0
+        for i in range(p + 1):
+            acc = _fma32(e[i], float(v[i, j]), acc)
+        out.append(_f32(acc / denom))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize("d", [12, 64])
+def test_each_row_is_the_documented_arithmetic(d: int) -> None:
+    """The compiled kernel, whatever it does to be fast (eight scores at once, the output row held in
+    registers), computes every element as the header's one order of fma chains and folds: checked float
+    by float against that order written out, for rows short and long enough to take every code path."""
+    g = torch.Generator().manual_seed(11)
+    length, hq, hkv = 21, 2, 1
+    q = torch.randn(1, length, hq, d, generator=g) * 2
+    k, v = (torch.randn(1, length, hkv, d, generator=g) for _ in range(2))
+    pos = torch.arange(length)[None]
+    out = InvariantOps(backend="torch").attention(q, k, v, pos, SCALE)
+    for p in range(length):
+        for h in range(hq):
+            want = _row_as_documented(q[0, p, h].numpy(), k[0, :, 0].numpy(), v[0, :, 0].numpy(), p, SCALE)
+            assert_same_bits(out[0, p, h], torch.from_numpy(want), f"d={d} p={p} h={h}")
