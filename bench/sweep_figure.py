@@ -1,6 +1,6 @@
 """A static figure of a sweep for the write-up: per metric, each group's mean over seeds with its 95% band.
 
-    .venv/bin/python bench/sweep_figure.py SWEEP_DIR OUT.png [KEY ...]
+    .venv/bin/python bench/sweep_figure.py SWEEP_DIR OUT.png [KEY ...] [--with SWEEP_DIR ...]
 
 The same groups, means and intervals as ``rlfw report``'s interactive page (:mod:`rlfw.logging.compare`),
 drawn with matplotlib into one small PNG that a Markdown file can show. Default keys: reward, the
@@ -28,8 +28,10 @@ def main() -> None:
     ap.add_argument("sweep", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("keys", nargs="*", default=list(DEFAULT_KEYS))
+    more = "more sweep or run folders of the same experiment, grouped with the first"
+    ap.add_argument("--with", dest="more", nargs="*", type=Path, default=[], help=more)
     a = ap.parse_args()
-    runs = collect([a.sweep])
+    runs = collect([a.sweep, *a.more])
     groups = group_runs(runs)
     fig, axes = plt.subplots(1, len(a.keys), figsize=(4.2 * len(a.keys), 3.2), squeeze=False)
     for ax, key in zip(axes[0], a.keys, strict=True):

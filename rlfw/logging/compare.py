@@ -95,9 +95,20 @@ def load_run(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def sweep_jobs(folder: Path) -> list[Path]:
+    """The run folders of a sweep's jobs that have logged a step (a job not started yet is left out)."""
+    record = json.loads((folder / SWEEP_FILE).read_text(encoding="utf-8"))
+    return [folder / job["name"] for job in record["jobs"] if (folder / job["name"] / METRICS_FILE).is_file()]
+
+
 def collect(paths: list[Path]) -> list[RunData]:
-    """The runs of a sweep folder (grouped by its swept keys) or of several run folders (grouped by the
-    config keys that differ between them), seeds pooled."""
+    """The runs of a sweep folder (grouped by its swept keys) or of several run or sweep folders (every
+    sweep's jobs together with the run folders, grouped by the config keys that differ between them, so
+    an experiment run as several sweeps reads as one), seeds pooled."""
+    if len(paths) > 1 and any((path / SWEEP_FILE).is_file() for path in paths):
+        paths = [
+            job for path in paths for job in (sweep_jobs(path) if (path / SWEEP_FILE).is_file() else [path])
+        ]
     if len(paths) == 1 and (paths[0] / SWEEP_FILE).is_file():
         record = json.loads((paths[0] / SWEEP_FILE).read_text(encoding="utf-8"))
         runs = []

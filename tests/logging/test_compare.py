@@ -84,6 +84,28 @@ def test_loose_run_folders_are_grouped_by_the_config_keys_that_differ(sweep: Pat
     assert [g.label for g in groups] == ['correction.name="none"', 'correction.name="tis"']
 
 
+def test_several_sweeps_read_as_one_experiment(sweep: Path, tmp_path: Path) -> None:
+    """An experiment run as two sweeps (say, one arm first, the rest later): their jobs are grouped
+    together by the config keys that differ, as loose run folders are."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder, correction in ((first, "none"), (second, "tis")):
+        folder.mkdir()
+        jobs = []
+        for seed in (0, 1):
+            name = f"{seed:02d}-seed={seed}"
+            shutil.copytree(
+                sweep / next(p.name for p in sweep.glob(f"*correction={correction},seed={seed}")),
+                folder / name,
+            )
+            jobs.append({"name": name, "params": {"seed": str(seed)}, "exit_code": 0})
+        (folder / SWEEP_FILE).write_text(
+            json.dumps({"name": folder.name, "swept": {"seed": ["0", "1"]}, "jobs": jobs})
+        )
+    groups = group_runs(collect([first, second]))
+    assert sorted(g.label for g in groups) == ['correction.name="none"', 'correction.name="tis"']
+    assert all(len(g.runs) == 2 for g in groups)
+
+
 def test_the_page_is_one_offline_file_with_a_panel_per_logged_key(page: Path, sweep: Path) -> None:
     text = page.read_text()
     assert page == sweep / "compare.html"
