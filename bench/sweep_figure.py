@@ -46,7 +46,8 @@ def main() -> None:
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{a.sweep.name}: group means over seeds, 95% bands", fontsize=9)
+    name = a.sweep.name if not a.more else f"{len(runs)} runs"
+    fig.suptitle(f"{name}: group means over seeds, 95% bands", fontsize=9)
     fig.tight_layout()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(a.out, dpi=110)
