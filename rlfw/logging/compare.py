@@ -95,37 +95,39 @@ def load_run(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def sweep_jobs(folder: Path) -> list[Path]:
-    """The run folders of a sweep's jobs that have logged a step (a job not started yet is left out)."""
+def sweep_runs(folder: Path) -> list[RunData]:
+    """The jobs of a sweep folder that have logged a step, with their swept values (seeds aside). A job
+    that has not logged a step (yet) is left out; a damaged metrics file still raises."""
     record = json.loads((folder / SWEEP_FILE).read_text(encoding="utf-8"))
-    return [folder / job["name"] for job in record["jobs"] if (folder / job["name"] / METRICS_FILE).is_file()]
+    runs = []
+    for job in record["jobs"]:
+        run_dir = folder / job["name"]
+        rows = read_rows(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else []
+        if not rows:
+            continue
+        params = {short_key(k): v for k, v in job["params"].items() if short_key(k) not in SEED_KEYS}
+        runs.append(RunData(job["name"], run_dir, params, rows))
+    if not runs:
+        raise MetricsFileError(f"no job of the sweep in {folder} has logged a step yet")
+    return runs
 
 
 def collect(paths: list[Path]) -> list[RunData]:
     """The runs of a sweep folder (grouped by its swept keys) or of several run or sweep folders (every
     sweep's jobs together with the run folders, grouped by the config keys that differ between them, so
     an experiment run as several sweeps reads as one), seeds pooled."""
-    if len(paths) > 1 and any((path / SWEEP_FILE).is_file() for path in paths):
-        paths = [
-            job for path in paths for job in (sweep_jobs(path) if (path / SWEEP_FILE).is_file() else [path])
-        ]
-    if len(paths) == 1 and (paths[0] / SWEEP_FILE).is_file():
-        record = json.loads((paths[0] / SWEEP_FILE).read_text(encoding="utf-8"))
-        runs = []
-        for job in record["jobs"]:
-            folder = paths[0] / job["name"]
-            rows = read_rows(folder / METRICS_FILE) if (folder / METRICS_FILE).is_file() else []
-            if not rows:  # a job that has not logged a step (yet): left out; a damaged file still raises
-                continue
-            params = {short_key(k): v for k, v in job["params"].items() if short_key(k) not in SEED_KEYS}
-            runs.append(RunData(job["name"], folder, params, rows))
-        if not runs:
-            raise MetricsFileError(f"no job of the sweep in {paths[0]} has logged a step yet")
-        return runs
-    for path in paths:
-        if not path.is_dir():
+    is_sweep = [(path / SWEEP_FILE).is_file() for path in paths]
+    if len(paths) == 1 and is_sweep[0]:
+        return sweep_runs(paths[0])
+    rows: dict[Path, list[dict[str, Any]]] = {}
+    for path, sweep in zip(paths, is_sweep, strict=True):
+        if sweep:
+            rows |= {run.folder: run.rows for run in sweep_runs(path)}
+        elif not path.is_dir():
             raise MetricsFileError(f"run folder {path} not found; pass a sweep folder or run folders")
-    configs = {path: read_config(path) for path in paths}
+        else:
+            rows[path] = load_run(path)
+    configs = {path: read_config(path) for path in rows}
     keys = sorted({k for c in configs.values() for k in c})
     differing = [
         k
@@ -135,8 +137,8 @@ def collect(paths: list[Path]) -> list[RunData]:
         and not k.startswith(IGNORED_PREFIXES)
     ]
     return [
-        RunData(path.name, path, {k: configs[path].get(k, "-") for k in differing}, load_run(path))
-        for path in paths
+        RunData(path.name, path, {k: configs[path].get(k, "-") for k in differing}, rows[path])
+        for path in rows
     ]
 
 

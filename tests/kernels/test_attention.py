@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -200,11 +202,17 @@ def _fma32(a: float, b: float, c: float) -> float:
     return _f32(a * b + c)
 
 
+@functools.cache
+def _libm_expf() -> Any:
+    expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
+    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    return expf
+
+
 def _row_as_documented(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: int, scale: float) -> np.ndarray:
     """One query row over positions 0..p in exactly the order kernels/csrc/attention.cpp's header states,
     one float at a time (libm's expf, as the kernel's std::exp calls it)."""
-    expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
-    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    expf = _libm_expf()
     d = q.shape[0]
     d8 = d - d % 8
     scores = []

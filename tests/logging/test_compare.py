@@ -17,6 +17,7 @@ import pytest
 from rlfw.cli import main
 from rlfw.logging import metrics as m
 from rlfw.logging.compare import FINAL_WINDOW, collect, group_runs, mean_ci, summary
+from rlfw.logging.jsonl import METRICS_FILE
 from rlfw.logging.logger import RunLogger
 from rlfw.sweep import SWEEP_FILE
 from tests.logging._builders import full_metrics
@@ -98,8 +99,13 @@ def test_several_sweeps_read_as_one_experiment(sweep: Path, tmp_path: Path) -> N
                 folder / name,
             )
             jobs.append({"name": name, "params": {"seed": str(seed)}, "exit_code": 0})
+        started = folder / "02-seed=2"  # a job that has started but not logged a step: left out
+        started.mkdir()
+        (started / "config.yaml").write_text(f"seed: 2\ncorrection:\n  name: {correction}\n")
+        (started / METRICS_FILE).write_text("")
+        jobs.append({"name": started.name, "params": {"seed": "2"}, "exit_code": None})
         (folder / SWEEP_FILE).write_text(
-            json.dumps({"name": folder.name, "swept": {"seed": ["0", "1"]}, "jobs": jobs})
+            json.dumps({"name": folder.name, "swept": {"seed": ["0", "1", "2"]}, "jobs": jobs})
         )
     groups = group_runs(collect([first, second]))
     assert sorted(g.label for g in groups) == ['correction.name="none"', 'correction.name="tis"']
