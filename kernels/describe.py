@@ -35,6 +35,7 @@ def _attention_record(backend: str) -> dict[str, Any]:
             "impl": "cpp_row_two_pass_softmax",
             "visible": "slots_0_to_position_only",
             "dot": "8_lane_fma_fold_then_tail",
+            "exp": "own_fp32_exp_table32_cubic_double",  # not the C library's: its bits travel with rlfw
             "sums": "ascending_position",
             **common,
         }

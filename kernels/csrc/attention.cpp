@@ -1,10 +1,11 @@
 // Batch-invariant causal attention for CPUs over the engine's slotted K/V layout [B, S, H_kv, D] and over
 // vLLM's paged layout (blocks of positions reached through a block table), with one arithmetic for both.
 //
-// Each query row (batch entry, position p, query head) is computed alone, by one thread, in an order that
-// depends on p and the head size only: scores s_i = q . k_i for i = 0 .. p (each dot product: eight lane
+// Each query row (batch entry, position p, query head) is computed alone, in an order that depends on p and
+// the head size only (one thread computes all heads of a query token; they share reads, not arithmetic): scores s_i = q . k_i for i = 0 .. p (each dot product: eight lane
 // sums of fma chains over d = j, j + 8, ..., folded as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)),
-// then the d tail by an ascending fma chain, then times the scale); m = max s_i; e_i = exp(s_i - m);
+// then the d tail by an ascending fma chain, then times the scale); m = max s_i; e_i = exp(s_i - m) (exp: the
+// function below, glibc's expf algorithm spelt out, so the bits no longer depend on the C library);
 // denominator = sum of e_i, i ascending; out[d] = (fma chain over i ascending of e_i * v_i[d]) / denominator.
 // Nothing past p is read, so stale or non-finite cache contents there cannot reach a result, and a prefill,
 // a chunked prefill, a decode step and the trainer's forward give the same bits for the same query.
@@ -16,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -29,6 +31,95 @@
 namespace {
 
 constexpr int64_t kLanes = 8;
+
+// exp for fp32, computed in double: x / ln2 = k / 32 + r, exp(x) = 2^(k/32) * p(r) with a cubic p, rounded to
+// float once. This is the algorithm of glibc's expf (2.28 and later) with its fma-contracted evaluation, and
+// it gives the same float as that expf on every input (checked on all 2^32 floats against glibc 2.36's
+// libm on an AVX2/FMA machine: bench/RESULTS.md). Written out here so the attention's bits do not depend
+// on which C library or which of its variants a machine has, and so eight can be computed at once.
+constexpr uint64_t kExp2Table[32] = {  // bits of 2^(i/32), correctly rounded, minus i << 47
+    0x3ff0000000000000ULL, 0x3fefd9b0d3158574ULL, 0x3fefb5586cf9890fULL, 0x3fef9301d0125b51ULL,
+    0x3fef72b83c7d517bULL, 0x3fef54873168b9aaULL, 0x3fef387a6e756238ULL, 0x3fef1e9df51fdee1ULL,
+    0x3fef06fe0a31b715ULL, 0x3feef1a7373aa9cbULL, 0x3feedea64c123422ULL, 0x3feece086061892dULL,
+    0x3feebfdad5362a27ULL, 0x3feeb42b569d4f82ULL, 0x3feeab07dd485429ULL, 0x3feea47eb03a5585ULL,
+    0x3feea09e667f3bcdULL, 0x3fee9f75e8ec5f74ULL, 0x3feea11473eb0187ULL, 0x3feea589994cce13ULL,
+    0x3feeace5422aa0dbULL, 0x3feeb737b0cdc5e5ULL, 0x3feec49182a3f090ULL, 0x3feed503b23e255dULL,
+    0x3feee89f995ad3adULL, 0x3feeff76f2fb5e47ULL, 0x3fef199bdd85529cULL, 0x3fef3720dcef9069ULL,
+    0x3fef5818dcfba487ULL, 0x3fef7c97337b9b5fULL, 0x3fefa4afa2a490daULL, 0x3fefd0765b6e4540ULL};
+constexpr double kExpInvLn2 = 0x1.71547652b82fep+0 * 32;  // 32 / ln 2
+constexpr double kExpShift = 0x1.8p+52;                   // adding it rounds to an integer in the low bits
+constexpr double kExpC0 = 0x1.c6af84b912394p-5 / 32 / 32 / 32, kExpC1 = 0x1.ebfce50fac4f3p-3 / 32 / 32,
+                 kExpC2 = 0x1.62e42ff0c52d6p-1 / 32;
+constexpr uint32_t kExpLarge = 0x42b00000;  // |x| >= 88 (or not finite) takes the edge cases
+
+inline float exp_core(float x) {
+  const double xd = x;
+  double kd = std::fma(kExpInvLn2, xd, kExpShift);
+  uint64_t ki;
+  std::memcpy(&ki, &kd, sizeof ki);
+  kd -= kExpShift;
+  const double r = std::fma(kExpInvLn2, xd, -kd);
+  const uint64_t t = kExp2Table[ki % 32] + (ki << 47);
+  double s;
+  std::memcpy(&s, &t, sizeof s);
+  const double z = std::fma(kExpC0, r, kExpC1), r2 = r * r;
+  const double y = std::fma(z, r2, std::fma(kExpC2, r, 1.0));
+  return static_cast<float>(y * s);
+}
+
+inline float exp_f32(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) >= kExpLarge) {  // |x| >= 88, infinities, NaN
+    if (x == -INFINITY) return 0.0f;
+    if (!(x < INFINITY)) return x + x;       // NaN (quietened) or +inf
+    if (x > 0x1.62e42ep6f) return INFINITY;  // past log(FLT_MAX)
+    if (x < -0x1.9fe368p6f) return 0.0f;     // below log of half the least subnormal
+  }
+  return exp_core(x);
+}
+
+#if RLFW_AVX2
+// exp_core on four doubles (widened floats), rounded to four floats: the same operations lane by lane.
+inline __m128 exp_core4(__m256d xd) {
+  const __m256d inv = _mm256_set1_pd(kExpInvLn2), shift = _mm256_set1_pd(kExpShift);
+  __m256d kd = _mm256_fmadd_pd(inv, xd, shift);
+  const __m256i ki = _mm256_castpd_si256(kd);
+  kd = _mm256_sub_pd(kd, shift);
+  const __m256d r = _mm256_fmsub_pd(inv, xd, kd);
+  const __m256i idx = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+  const __m256i tab = _mm256_i64gather_epi64(reinterpret_cast<const long long*>(kExp2Table), idx, 8);
+  const __m256d s = _mm256_castsi256_pd(_mm256_add_epi64(tab, _mm256_slli_epi64(ki, 47)));
+  const __m256d z = _mm256_fmadd_pd(_mm256_set1_pd(kExpC0), r, _mm256_set1_pd(kExpC1));
+  const __m256d r2 = _mm256_mul_pd(r, r);
+  const __m256d y = _mm256_fmadd_pd(z, r2, _mm256_fmadd_pd(_mm256_set1_pd(kExpC2), r, _mm256_set1_pd(1.0)));
+  return _mm256_cvtpd_ps(_mm256_mul_pd(y, s));
+}
+
+// exp_f32 of eight floats: lanes with |x| >= 88 (or not finite) are redone one at a time.
+inline __m256 exp8(__m256 x) {
+  const __m256 out = _mm256_set_m128(exp_core4(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))),
+                                     exp_core4(_mm256_cvtps_pd(_mm256_castps256_ps128(x))));
+  const __m256i abs = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff));
+  const __m256i large = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(static_cast<int>(kExpLarge) - 1));
+  if (_mm256_testz_si256(large, large)) return out;
+  alignas(32) float xs[kLanes], ys[kLanes];
+  _mm256_store_ps(xs, x);
+  _mm256_store_ps(ys, out);
+  for (int64_t k = 0; k < kLanes; ++k) ys[k] = exp_f32(xs[k]);
+  return _mm256_load_ps(ys);
+}
+#endif
+
+// e[i] = exp_f32(e[i] - m) for i < n.
+inline void exp_shifted(float* e, int64_t n, float m) {
+  int64_t i = 0;
+#if RLFW_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; i + kLanes <= n; i += kLanes) _mm256_storeu_ps(e + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(e + i), mv)));
+#endif
+  for (; i < n; ++i) e[i] = exp_f32(e[i] - m);
+}
 
 inline float fold(const float l[kLanes]) {
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
@@ -82,13 +173,13 @@ inline void dot8(const float* a, const float* const b[kLanes], int64_t d, float 
     for (int64_t i = d8; i < d; ++i) out[k] = std::fma(a[i], b[k][i], out[k]);
 }
 
-// acc[d] += w_i * v_i[d] for i = 0 .. p, each element's one fma chain ascending in i, for NV
-// vectors of d held in registers across the whole walk instead of reloaded and stored at every position.
+// acc[d] += w_i * v_i[d] for i = i0 .. i1 - 1, continuing each element's one fma chain ascending in i, for
+// NV vectors of d held in registers across the walk instead of reloaded and stored at every position.
 template <int NV, typename Value>
-inline void weighted_sum(const float* e, int64_t p, const Value& value, int64_t offset, float* acc) {
+inline void weighted_sum(const float* e, int64_t i0, int64_t i1, const Value& value, int64_t offset, float* acc) {
   __m256 a[NV];
   for (int k = 0; k < NV; ++k) a[k] = _mm256_loadu_ps(acc + offset + k * kLanes);
-  for (int64_t i = 0; i <= p; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     const __m256 wv = _mm256_set1_ps(e[i]);
     const float* v = value(i) + offset;
     for (int k = 0; k < NV; ++k) a[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + k * kLanes), a[k]);
@@ -97,43 +188,64 @@ inline void weighted_sum(const float* e, int64_t p, const Value& value, int64_t 
 }
 #endif
 
-// One query row over positions 0 .. p: key(i, k) and value(i) give position i's K and V rows (fp32, D
-// floats; k in 0..7 names a scratch row where a K row must be widened, so eight can be live at once).
-// e holds at least p + 1 floats, acc D floats. The arithmetic is the header's: the AVX2 path computes
-// eight scores at once and keeps the output row in registers, the same fma chains in the same order.
+// The query rows of one token over positions 0 .. p, for heads 0 .. nh - 1 (head h reads K/V head h / group;
+// its query row is q + h * d, its output row out + h * d). key(i, kvh, k) and value(i, kvh) give position i's
+// K and V rows for a K/V head (fp32, d floats; k in 0..7 names a scratch row where a K row must be widened,
+// so eight can be live at once). e holds nh * (p + 1) floats, acc nh * d, denom nh. Every head's arithmetic
+// is the header's and no head's result depends on another's: the heads share only the walk over positions,
+// so a position's K and V rows (side by side for all heads in the slotted layout) are read from memory once
+// and in order, not once per head with a stride. The AVX2 path computes eight scores and eight
+// exponentials at once and keeps output rows in registers across a chunk of positions; each element is the
+// same fma chain in the same order.
 template <typename Key, typename Value>
-inline void attend_row(const float* qrow, int64_t p, int64_t d, float sc, const Key& key, const Value& value,
-                       float* e, float* acc, float* orow) {
+inline void attend(const float* q, int64_t nh, int64_t group, int64_t p, int64_t d, float sc, const Key& key,
+                   const Value& value, float* e, float* acc, float* denom, float* out) {
+  const int64_t n = p + 1;
   int64_t i = 0;
 #if RLFW_AVX2
-  for (; i + kLanes <= p + 1; i += kLanes) {
-    const float* keys[kLanes];
-    for (int64_t k = 0; k < kLanes; ++k) keys[k] = key(i + k, k);
-    dot8(qrow, keys, d, e + i);
-    for (int64_t k = 0; k < kLanes; ++k) e[i + k] *= sc;
-  }
-#endif
-  for (; i <= p; ++i) e[i] = dot(qrow, key(i, 0), d) * sc;
-  float m = -INFINITY;
-  for (i = 0; i <= p; ++i) m = std::max(m, e[i]);
-  float denom = 0.0f;
-  for (i = 0; i <= p; ++i) {
-    e[i] = std::exp(e[i] - m);
-    denom += e[i];
-  }
-  std::fill(acc, acc + d, 0.0f);
-  int64_t j = 0;
-#if RLFW_AVX2
-  constexpr int64_t kBlock = 8 * kLanes;  // eight accumulators in registers
-  for (; j + kBlock <= d; j += kBlock) weighted_sum<8>(e, p, value, j, acc);
-  for (; j + kLanes <= d; j += kLanes) weighted_sum<1>(e, p, value, j, acc);
-#endif
-  if (j < d)
-    for (i = 0; i <= p; ++i) {
-      const float* v = value(i);
-      for (int64_t c = j; c < d; ++c) acc[c] = std::fma(e[i], v[c], acc[c]);
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* keys[kLanes];
+      for (int64_t k = 0; k < kLanes; ++k) keys[k] = key(i + k, h / group, k);
+      float* eh = e + h * n + i;
+      dot8(q + h * d, keys, d, eh);
+      for (int64_t k = 0; k < kLanes; ++k) eh[k] *= sc;
     }
-  for (j = 0; j < d; ++j) orow[j] = acc[j] / denom;
+  }
+#endif
+  for (; i < n; ++i)
+    for (int64_t h = 0; h < nh; ++h) e[h * n + i] = dot(q + h * d, key(i, h / group, 0), d) * sc;
+  for (int64_t h = 0; h < nh; ++h) {
+    float* eh = e + h * n;
+    float m = -INFINITY;
+    for (i = 0; i < n; ++i) m = std::max(m, eh[i]);
+    exp_shifted(eh, n, m);
+    float sum = 0.0f;
+    for (i = 0; i < n; ++i) sum += eh[i];
+    denom[h] = sum;
+  }
+  std::fill(acc, acc + nh * d, 0.0f);
+  constexpr int64_t kChunk = 16;  // positions whose V rows stay in L1 while every head walks them
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t c1 = std::min(c0 + kChunk, n);
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* eh = e + h * n;
+      float* ah = acc + h * d;
+      const auto vh = [&](int64_t pos) { return value(pos, h / group); };
+      int64_t j = 0;
+#if RLFW_AVX2
+      constexpr int64_t kBlock = 8 * kLanes;  // eight accumulators in registers
+      for (; j + kBlock <= d; j += kBlock) weighted_sum<8>(eh, c0, c1, vh, j, ah);
+      for (; j + kLanes <= d; j += kLanes) weighted_sum<1>(eh, c0, c1, vh, j, ah);
+#endif
+      for (i = c0; i < c1 && j < d; ++i) {
+        const float* v = vh(i);
+        for (int64_t col = j; col < d; ++col) ah[col] = std::fma(eh[i], v[col], ah[col]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t j = 0; j < d; ++j) out[h * d + j] = acc[h * d + j] / denom[h];
 }
 
 }  // namespace
@@ -164,23 +276,24 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const float* vp = v.data_ptr<float>();
   const int64_t* pos = q_pos.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < b * t; ++i)
+    TORCH_CHECK(pos[i] < s, "attention: position ", pos[i], " outside the cache (", s, " slots)");
   const int64_t group = hq / hkv;
   const float sc = static_cast<float>(scale);
-  // One task per (batch entry, query head); every query row inside it is computed independently.
-  at::parallel_for(0, b * hq, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> e(s);
-    std::vector<float> acc(d);
+  // One task per query token (batch entry, row), all of its heads together: a position's K (and V) rows of
+  // every head lie side by side in a cache row, so the walk reads them once and in order.
+  at::parallel_for(0, b * t, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> e(hq * s);
+    std::vector<float> acc(hq * d), denom(hq);
     for (int64_t task = i0; task < i1; ++task) {
-      const int64_t bi = task / hq, h = task % hq, kvh = h / group, ri = row[bi];
-      const auto key = [&](int64_t i, int64_t) { return kp + ((ri * s + i) * hkv + kvh) * d; };
-      const auto value = [&](int64_t i) { return vp + ((ri * s + i) * hkv + kvh) * d; };
-      for (int64_t ti = 0; ti < t; ++ti) {
-        const int64_t p = pos[bi * t + ti];
-        if (p < 0) continue;
-        TORCH_CHECK(p < s, "attention: position ", p, " outside the cache (", s, " slots)");
-        attend_row(qp + ((bi * t + ti) * hq + h) * d, p, d, sc, key, value, e.data(), acc.data(),
-                   op + ((bi * t + ti) * hq + h) * d);
-      }
+      const int64_t bi = task / t, p = pos[task], ri = row[bi];
+      if (p < 0) continue;
+      const float* krow = kp + ri * s * hkv * d;
+      const float* vrow = vp + ri * s * hkv * d;
+      const auto key = [&](int64_t i, int64_t kvh, int64_t) { return krow + (i * hkv + kvh) * d; };
+      const auto value = [&](int64_t i, int64_t kvh) { return vrow + (i * hkv + kvh) * d; };
+      attend(qp + task * hq * d, hq, group, p, d, sc, key, value, e.data(), acc.data(),
+             denom.data(), op + task * hq * d);
     }
   });
   return out;
@@ -204,19 +317,22 @@ void paged(const float* qp, const T* kv, const int64_t* seq, const int64_t* pos,
            int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t block, int64_t max_blocks, int64_t max_pos,
            float sc, float* op) {
   const int64_t group = hq / hkv;
-  // One task per (query token, query head).
-  at::parallel_for(0, n * hq, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> e(max_pos + 1);
-    std::vector<float> acc(d), kbuf(kLanes * d), vbuf(d);
-    for (int64_t task = i0; task < i1; ++task) {
-      const int64_t ti = task / hq, h = task % hq, kvh = h / group, p = pos[ti];
+  // One task per query token, all of its heads together.
+  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> e(hq * (max_pos + 1));
+    std::vector<float> acc(hq * d), denom(hq), kbuf(kLanes * d), vbuf(d);
+    for (int64_t ti = i0; ti < i1; ++ti) {
+      const int64_t p = pos[ti];
       if (p < 0) continue;
       const int64_t* blocks = table + seq[ti] * max_blocks;
       // Block b, head kvh: `block` key rows, then `block` value rows, each d wide.
-      const auto at = [&](int64_t i) { return kv + ((blocks[i / block] * hkv + kvh) * 2 * block + i % block) * d; };
-      const auto key = [&](int64_t i, int64_t k) { return widen(at(i), kbuf.data() + k * d, d); };
-      const auto value = [&](int64_t i) { return widen(at(i) + block * d, vbuf.data(), d); };
-      attend_row(qp + (ti * hq + h) * d, p, d, sc, key, value, e.data(), acc.data(), op + (ti * hq + h) * d);
+      const auto at = [&](int64_t i, int64_t kvh) {
+        return kv + ((blocks[i / block] * hkv + kvh) * 2 * block + i % block) * d;
+      };
+      const auto key = [&](int64_t i, int64_t kvh, int64_t k) { return widen(at(i, kvh), kbuf.data() + k * d, d); };
+      const auto value = [&](int64_t i, int64_t kvh) { return widen(at(i, kvh) + block * d, vbuf.data(), d); };
+      attend(qp + ti * hq * d, hq, group, p, d, sc, key, value, e.data(), acc.data(), denom.data(),
+             op + ti * hq * d);
     }
   });
 }
@@ -269,5 +385,19 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv, c
     paged(q.data_ptr<float>(), kv.data_ptr<at::BFloat16>(), sp, pp, table, n, hq, hkv, d, block, max_blocks,
           max_pos, sc, out.data_ptr<float>());
   }
+  return out;
+}
+
+// exp_f32 elementwise over a contiguous fp32 tensor (what the attention's softmax uses; exposed for tests).
+torch::Tensor exp_f32_tensor(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "exp: contiguous fp32 input");
+  auto out = x.clone();
+  float* p = out.data_ptr<float>();
+  const int64_t n = out.numel();
+  int64_t i = 0;
+#if RLFW_AVX2
+  for (; i + kLanes <= n; i += kLanes) _mm256_storeu_ps(p + i, exp8(_mm256_loadu_ps(p + i)));
+#endif
+  for (; i < n; ++i) p[i] = exp_f32(p[i]);
   return out;
 }

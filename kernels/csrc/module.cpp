@@ -10,6 +10,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                         const torch::Tensor& q_pos, const torch::Tensor& rows, double scale);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& seq,
                               const torch::Tensor& pos, const torch::Tensor& block_table, double scale);
+torch::Tensor exp_f32_tensor(const torch::Tensor& x);
 bool vectorised();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -20,5 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attention", &attention, "batch-invariant causal attention over the slotted K/V layout");
   mod.def("paged_attention", &paged_attention,
           "the same attention over a paged K/V cache read through a block table (vLLM's layout)");
+  mod.def("exp", &exp_f32_tensor, "the attention softmax's fp32 exp, elementwise (tests)");
   mod.def("vectorised", &vectorised, "whether the AVX2/FMA path was compiled");
 }

@@ -28,7 +28,11 @@ class ForwardCounts:
 
 def pad_right(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
     """``(ids [B, W], mask [B, W])`` for int64 token rows of different lengths."""
-    width = max(int(r.shape[0]) for r in rows)
+    lengths = [int(r.shape[0]) for r in rows]
+    width = max(lengths)
+    if min(lengths) == width:  # a decode step: one token per row, nothing to pad
+        ids = torch.stack(rows)
+        return ids, torch.ones_like(ids)
     ids = torch.zeros(len(rows), width, dtype=torch.long, device=rows[0].device)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):

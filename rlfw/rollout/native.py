@@ -227,17 +227,17 @@ class NativeEngine:
         seqs = [self.running[slot] for slot in sorted(self.running)]
         if not seqs:
             return
-        rows = [torch.tensor([s.pending], dtype=torch.long) for s in seqs]
+        rows = list(torch.tensor([[s.pending] for s in seqs], dtype=torch.long))
         hidden, routing = forward_rows(self.model, rows, self.cache, [s.slot for s in seqs])
         self._count(rows, "decode_tokens")
         logits = next_token_logits(self.model, hidden[:, 0], self.transforms, self.precision)
         tokens = self._choose(seqs, logits.sampler)
-        streams = token_streams(self.model.ops, logits, tokens, self.topk_logprobs).cpu()
+        streams = token_streams(self.model.ops, logits, tokens, self.topk_logprobs).cpu().rows()
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
             seq.wrote_kv(self._version)
             if routing is not None:
                 seq.routing.append(routing[i])
-            seq.record(token, streams.row(i), self._version, self.stop_ids)
+            seq.record(token, streams[i], self._version, self.stop_ids)
 
     def _choose(self, seqs: list[Sequence], sampler_BV: Tensor) -> Tensor:
         """Forced tokens where given, the most likely token for greedy requests, else a Gumbel-max draw

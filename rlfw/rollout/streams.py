@@ -49,9 +49,9 @@ class TokenStreams:
         """Records leave the engine on the CPU (they cross actor boundaries)."""
         return TokenStreams(*(t.cpu() for t in self._fields()))
 
-    def row(self, i: int) -> TokenStreams:
-        """Row ``i`` of a batched step (0-d log-probs, ``[K]`` top-k)."""
-        return TokenStreams(*(t[i] for t in self._fields()))
+    def rows(self) -> list[TokenStreams]:
+        """Every row of a batched step (0-d log-probs, ``[K]`` top-k): views, one ``unbind`` per field."""
+        return [TokenStreams(*row) for row in zip(*(t.unbind(0) for t in self._fields()), strict=True)]
 
 
 def next_token_logits(

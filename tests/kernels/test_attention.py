@@ -6,13 +6,17 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
+import struct
+from decimal import Decimal, localcontext
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from rlfw.kernels import attention
+from rlfw.kernels import attention, cpu_native
 from rlfw.kernels.attention import KV_TILE
 from rlfw.kernels.default import DefaultOps
 from rlfw.kernels.invariant import InvariantOps
@@ -209,10 +213,90 @@ def _libm_expf() -> Any:
     return expf
 
 
+def _fma64(a: float, b: float, c: float) -> float:
+    """Double fma, exactly: the rational ``a * b + c`` rounded once (int / int division rounds correctly)."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    return exact.numerator / exact.denominator
+
+
+def _as_bits(x: float) -> int:
+    return int.from_bytes(struct.pack("<d", x), "little")
+
+
+def _from_bits(u: int) -> float:
+    return float(struct.unpack("<d", (u % 2**64).to_bytes(8, "little"))[0])
+
+
+@functools.cache
+def _exp2_table() -> tuple[int, ...]:
+    """Bits of 2^(i/32), correctly rounded to a double, minus ``i << 47`` (derived here, not copied)."""
+    with localcontext() as ctx:
+        ctx.prec = 60
+        powers = [float(Decimal(2) ** (Decimal(i) / 32)) for i in range(32)]
+    return tuple((_as_bits(x) - (i << 47)) % 2**64 for i, x in enumerate(powers))
+
+
+def _exp_as_documented(x: float) -> float:
+    """The kernel's fp32 exp, as its comment states it, for a float32 value ``x``."""
+    if x == -math.inf:
+        return 0.0
+    if math.isnan(x) or x == math.inf:
+        return x + x
+    if abs(x) >= 88.0:
+        if x > float.fromhex("0x1.62e42ep6"):
+            return math.inf
+        if x < -float.fromhex("0x1.9fe368p6"):
+            return 0.0
+    inv, shift = float.fromhex("0x1.71547652b82fep+0") * 32, float.fromhex("0x1.8p+52")
+    c0 = float.fromhex("0x1.c6af84b912394p-5") / 32**3
+    c1 = float.fromhex("0x1.ebfce50fac4f3p-3") / 32**2
+    c2 = float.fromhex("0x1.62e42ff0c52d6p-1") / 32
+    kd = _fma64(inv, x, shift)
+    ki = _as_bits(kd)
+    kd -= shift
+    r = _fma64(inv, x, -kd)
+    s = _from_bits(_exp2_table()[ki % 32] + (ki << 47))
+    y = _fma64(_fma64(c0, r, c1), r * r, _fma64(c2, r, 1.0))
+    return _f32(y * s)
+
+
+def _exp_probes() -> torch.Tensor:
+    """Random floats over the softmax's range and beyond, and the edges (one fp32 tensor)."""
+    g = torch.Generator().manual_seed(5)
+    edges = [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 88.72283, 88.72284, -87.33654, -150.0, 200.0]
+    edges += [-103.27893, -103.97208, -103.97209, math.inf, -math.inf, math.nan]
+    spread = torch.randn(4000, generator=g) * 30
+    bits_ = torch.randint(-(2**31), 2**31 - 1, (4000,), generator=g, dtype=torch.int64).to(torch.int32)
+    return torch.cat([torch.tensor(edges), spread, -spread.abs(), bits_.view(torch.float32)])
+
+
+def test_exp_is_the_documented_function() -> None:
+    """The attention's exp (eight lanes at once, and one at a time for the tail and the edges) computes
+    the function its comment states, checked float by float against that statement written in exact
+    arithmetic."""
+    x = _exp_probes()
+    x = x[~x.isnan()]
+    got = cpu_native.module().exp(x)
+    want = torch.tensor([_exp_as_documented(float(v)) for v in x], dtype=torch.float32)
+    assert_same_bits(got, want, "exp")
+
+
+@pytest.mark.skipif(ctypes.util.find_library("m") is None, reason="no C math library to compare with")
+def test_exp_gives_the_c_librarys_expf_bits() -> None:
+    """The kernel's exp replaced the C library's ``expf`` without changing a bit: it is glibc's algorithm
+    with glibc's fma-contracted evaluation (checked on all 2^32 floats once, bench/RESULTS.md; here on a
+    sample, NaNs included). A C library whose expf rounds differently fails this; the kernel's own
+    bits do not depend on it."""
+    x = _exp_probes()
+    got = cpu_native.module().exp(x)
+    expf = _libm_expf()
+    want = torch.tensor([float(expf(float(v))) for v in x], dtype=torch.float32)
+    assert_same_bits(got, want, "exp against expf")
+
+
 def _row_as_documented(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: int, scale: float) -> np.ndarray:
     """One query row over positions 0..p in exactly the order kernels/csrc/attention.cpp's header states,
-    one float at a time (libm's expf, as the kernel's std::exp calls it)."""
-    expf = _libm_expf()
+    one float at a time."""
     d = q.shape[0]
     d8 = d - d % 8
     scores = []
@@ -227,7 +311,7 @@ def _row_as_documented(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: int, scal
             s = _fma32(float(q[j]), float(k[i, j]), s)
         scores.append(_f32(s * scale))
     m = max(scores)
-    e = [float(expf(_f32(s - m))) for s in scores]
+    e = [_exp_as_documented(_f32(s - m)) for s in scores]
     denom = 0.0
     for x in e:
         denom = _f32(denom + x)
@@ -242,9 +326,10 @@ def _row_as_documented(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: int, scal
 
 @pytest.mark.parametrize("d", [12, 64])
 def test_each_row_is_the_documented_arithmetic(d: int) -> None:
-    """The compiled kernel, whatever it does to be fast (eight scores at once, the output row held in
-    registers), computes every element as the header's one order of fma chains and folds: checked float
-    by float against that order written out, for rows short and long enough to take every code path."""
+    """The compiled kernel, whatever it does to be fast (all heads of a token in one walk, eight scores
+    and exponentials at once, output rows held in registers), computes every element as the header's
+    one order of fma chains and folds: checked float by float against that order written out, for rows
+    short and long enough to take every code path."""
     g = torch.Generator().manual_seed(11)
     length, hq, hkv = 21, 2, 1
     q = torch.randn(1, length, hq, d, generator=g) * 2
