@@ -45,10 +45,14 @@ def main() -> None:
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
-    axes[0][0].legend(fontsize=7)
     name = a.sweep.name if not a.more else f"{len(runs)} runs"
     fig.suptitle(f"{name}: group means over seeds, 95% bands", fontsize=9)
-    fig.tight_layout()
+    # Below the panels, not over the first one: a group's label lists every key that differs.
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    columns = 1 if max(map(len, labels), default=0) > 60 else min(len(labels), 3)
+    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=7, frameon=False)
+    rows = -(-len(labels) // columns)
+    fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(a.out, dpi=110)
     print(a.out)
