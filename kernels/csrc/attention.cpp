@@ -2,10 +2,11 @@
 // vLLM's paged layout (blocks of positions reached through a block table), with one arithmetic for both.
 //
 // Each query row (batch entry, position p, query head) is computed alone, in an order that depends on p and
-// the head size only (one thread computes all heads of a query token; they share reads, not arithmetic): scores s_i = q . k_i for i = 0 .. p (each dot product: eight lane
-// sums of fma chains over d = j, j + 8, ..., folded as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)),
-// then the d tail by an ascending fma chain, then times the scale); m = max s_i; e_i = exp(s_i - m) (exp: the
-// function below, glibc's expf algorithm spelt out, so the bits no longer depend on the C library);
+// the head size only (one thread computes all heads of a query token; they share reads, not arithmetic):
+// scores s_i = q . k_i for i = 0 .. p (each dot product: eight lane sums of fma chains over d = j, j + 8, ...,
+// folded as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the d tail by an ascending fma chain,
+// then times the scale); m = max s_i; e_i = exp(s_i - m) (exp_f32 below: glibc's expf algorithm spelt out,
+// so the bits do not depend on the C library);
 // denominator = sum of e_i, i ascending; out[d] = (fma chain over i ascending of e_i * v_i[d]) / denominator.
 // Nothing past p is read, so stale or non-finite cache contents there cannot reach a result, and a prefill,
 // a chunked prefill, a decode step and the trainer's forward give the same bits for the same query.
@@ -35,7 +36,7 @@ constexpr int64_t kLanes = 8;
 // exp for fp32, computed in double: x / ln2 = k / 32 + r, exp(x) = 2^(k/32) * p(r) with a cubic p, rounded to
 // float once. This is the algorithm of glibc's expf (2.28 and later) with its fma-contracted evaluation, and
 // it gives the same float as that expf on every input (checked on all 2^32 floats against glibc 2.36's
-// libm on an AVX2/FMA machine: bench/RESULTS.md). Written out here so the attention's bits do not depend
+// libm on an AVX2/FMA machine: bench/exp_exhaustive.py). Written out here so the attention's bits do not depend
 // on which C library or which of its variants a machine has, and so eight can be computed at once.
 constexpr uint64_t kExp2Table[32] = {  // bits of 2^(i/32), correctly rounded, minus i << 47
     0x3ff0000000000000ULL, 0x3fefd9b0d3158574ULL, 0x3fefb5586cf9890fULL, 0x3fef9301d0125b51ULL,
