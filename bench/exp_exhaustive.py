@@ -4,7 +4,7 @@ The CPU attention (``kernels/csrc/attention.cpp``) computes its softmax exponent
 that eight can run at once and the bits do not depend on the C library. It was written to give the bits
 the kernel had when it called ``std::exp`` (glibc's ``expf``); this script checks that claim exhaustively:
 it compiles the kernel's exp section (from ``kExp2Table`` up to ``exp_shifted``) into a small C++ program
-with the kernel's flags and compares both its scalar and its eight-lane path with ``expf`` bit for bit,
+with the kernel's build flags and compares both its scalar and its eight-lane path with ``expf`` bit for bit,
 NaN payloads included. About 45 s on one core.
 
     .venv/bin/python bench/exp_exhaustive.py
@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from rlfw.kernels.cpu_native import CFLAGS, LDFLAGS
 
 SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "csrc" / "attention.cpp"
 FIRST, END = "constexpr uint64_t kExp2Table", "// e[i] = exp_f32(e[i] - m)"
@@ -58,8 +60,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         src, exe = Path(folder) / "exp_check.cpp", Path(folder) / "exp_check"
         src.write_text(HARNESS % {"section": section})
-        flags = ["-O3", "-march=native", "-ffp-contract=off"]  # the kernel's flags, less OpenMP
-        subprocess.run(["g++", *flags, str(src), "-o", str(exe), "-lm"], check=True)
+        subprocess.run(["g++", *CFLAGS, str(src), "-o", str(exe), "-lm", *LDFLAGS], check=True)
         return subprocess.run([str(exe)], check=False).returncode
 
 
