@@ -302,7 +302,8 @@ class EvalConfig:
 class LauncherConfig:
     """Where the jobs of a sweep (``rlfw train -m``) run; a single run does not read it."""
 
-    name: str = "local"  # local: one job after another on this machine | submitit: through submitit (SLURM)
+    name: str = "local"  # local: the jobs run on this machine | submitit: through submitit (SLURM)
+    parallel: int = 1  # local: how many jobs run at once; above 1 each job's output goes to its .log file
     cluster: str = "slurm"  # submitit: slurm | local (subprocesses here) | debug (one at a time, here)
     partition: str | None = None  # submitit on SLURM: the partition
     timeout_min: int = 240  # submitit: a job's wall-clock limit in minutes
@@ -314,6 +315,7 @@ class LauncherConfig:
     def __post_init__(self) -> None:
         check_choice("launcher.name", self.name, ("local", "submitit"))
         check_choice("launcher.cluster", self.cluster, ("slurm", "local", "debug"))
+        check_range("launcher.parallel", self.parallel, lo=1)
         check_range("launcher.timeout_min", self.timeout_min, lo=1)
         check_range("launcher.gpus_per_node", self.gpus_per_node, lo=0)
         check_range("launcher.cpus_per_task", self.cpus_per_task, lo=1)

@@ -11,9 +11,9 @@ values (``00-correction=none,seed=0``). The sweep name is ``logger.run_name`` wh
 ``logger.run_name=NAME resume=true`` resumes every job of a sweep), else ``sweep-<timestamp>``; it is
 also each job's W&B group unless ``logger.group`` names another, so the sweep is one group in W&B.
 
-Launchers (``launcher=...``): ``local`` runs the jobs one after another on this machine, each in a fresh
-process; ``submitit_slurm`` / ``submitit_local`` submit them as one submitit array job (SLURM, or local
-subprocesses) and wait for all of them.
+Launchers (``launcher=...``): ``local`` runs the jobs on this machine, each in a fresh process, one after
+another or ``launcher.parallel`` at a time; ``submitit_slurm`` / ``submitit_local`` submit them as one
+submitit array job (SLURM, or local subprocesses) and wait for all of them.
 """
 
 from __future__ import annotations
@@ -22,9 +22,13 @@ import itertools
 import json
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,7 +176,18 @@ def run_sweep(overrides: list[str]) -> int:
     sweep.folder.mkdir(parents=True, exist_ok=True)
     sweep.save()
     print(f"rlfw sweep: {len(sweep.jobs)} jobs in {sweep.folder}", flush=True)
-    launch(sweep, first)
+    try:
+        launch(sweep, first)
+    except KeyboardInterrupt:
+        sweep.save()
+        again = [a for a in overrides if not a.startswith(("logger.run_name=", "resume="))]
+        again += [f"logger.run_name={sweep.folder.name}", "resume=true"]
+        print(
+            "rlfw sweep: stopped; the running jobs saved a checkpoint, the rest did not start. Continue: "
+            + shlex.join(["rlfw", "train", *again]),
+            flush=True,
+        )
+        return 130
     sweep.save()
     failed = [job.name for job in sweep.jobs if job.exit_code != 0]
     for job in sweep.jobs:
@@ -187,22 +202,93 @@ def launch(sweep: Sweep, run: RunConfig) -> None:
     if run.launcher.name == "submitit":
         launch_submitit(sweep, run.launcher)
     else:
-        launch_local(sweep)
+        launch_local(sweep, run.launcher.parallel)
 
 
 def train_command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "rlfw", "train", *args]
 
 
-def launch_local(sweep: Sweep) -> None:
-    """One job after another, each a fresh process (its own Ray); a failed job does not stop the others,
-    Ctrl-C does (the running job checkpoints and exits, the rest are not started)."""
-    for job in sweep.jobs:
-        print(f"rlfw sweep: job {job.name}", flush=True)
-        job.exit_code = subprocess.call(train_command(sweep.job_overrides(job)))
-        sweep.save()
-        if job.exit_code in (130, 143):  # the job was stopped by Ctrl-C / SIGTERM: stop the sweep too
-            raise KeyboardInterrupt
+def launch_local(sweep: Sweep, parallel: int = 1) -> None:
+    """The jobs on this machine, ``parallel`` at a time in launch order, each a fresh process (its own
+    Ray). With one at a time a job prints to this terminal; with more, each job's output goes to
+    ``<sweep folder>/<job name>.log``. A failed job does not stop the others. Ctrl-C or SIGTERM stops the
+    sweep: each running job gets the signal once (a job runs in its own session, so the terminal's Ctrl-C
+    reaches it only through here), checkpoints and exits, the jobs not yet started are not started, and
+    ``KeyboardInterrupt`` is raised once every running job has exited. A job that exits 130 or 143 (it
+    was stopped by a signal of its own) stops the sweep the same way."""
+    local = _LocalJobs(sweep, parallel)
+    previous = {sig: signal.signal(sig, local.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        local.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if local.stopped:
+        raise KeyboardInterrupt
+
+
+class _LocalJobs:
+    """The state of a local sweep while it runs: the jobs not yet started, the running processes, and
+    whether a stop was asked for. Threads wait on the processes; the main thread handles signals."""
+
+    def __init__(self, sweep: Sweep, parallel: int) -> None:
+        self.sweep = sweep
+        self.parallel = parallel
+        self.pending = list(sweep.jobs)
+        self.running: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopped = False  # no job starts any more
+        self.signalled = False  # this process got SIGINT or SIGTERM (and passed it on)
+        self.lock = threading.Lock()  # over pending, running, stopped, signalled and the sweep record
+
+    def run(self) -> None:
+        with ThreadPoolExecutor(max_workers=self.parallel) as pool:
+            for future in [pool.submit(self.run_next) for _ in self.sweep.jobs]:
+                future.result()
+
+    def run_next(self) -> None:
+        """Start the next job (unless the sweep is stopping), wait for it, record its exit code."""
+        with self.lock:
+            if self.stopped or not self.pending:
+                return
+            job = self.pending.pop(0)
+            log = None if self.parallel == 1 else self.sweep.folder / f"{job.name}.log"
+            where = f" (output: {log})" if log else ""
+            print(f"rlfw sweep: job {job.name}{where}", flush=True)
+            out = None if log is None else log.open("ab")
+            try:
+                process = subprocess.Popen(
+                    train_command(self.sweep.job_overrides(job)),
+                    stdout=out,
+                    stderr=None if out is None else subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            finally:
+                if out is not None:
+                    out.close()  # the job holds its own copy of the file
+            self.running[job.name] = process
+        code = process.wait()
+        with self.lock:
+            del self.running[job.name]
+            job.exit_code = code
+            self.sweep.save()
+            if self.parallel > 1:
+                done, total = sum(j.exit_code is not None for j in self.sweep.jobs), len(self.sweep.jobs)
+                print(f"rlfw sweep: job {job.name}: exit {code} ({done} of {total} done)", flush=True)
+            if code in (130, 143):  # the job was stopped by Ctrl-C / SIGTERM: stop the sweep too
+                self.stopped = True
+
+    def stop(self, signum: int, frame: object) -> None:
+        """The signal handler (main thread): pass ``signum`` on to every running job once; start no more
+        jobs. A second signal only says what is happening: the jobs are already checkpointing."""
+        with self.lock:
+            if self.signalled:
+                print("rlfw sweep: stopping; the running jobs are saving their checkpoints", flush=True)
+                return
+            self.signalled = True
+            self.stopped = True
+            for process in self.running.values():
+                process.send_signal(signum)
 
 
 def launch_submitit(sweep: Sweep, cfg: LauncherConfig) -> None:

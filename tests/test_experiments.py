@@ -36,8 +36,9 @@ def test_the_quick_variant_completes_and_its_report_renders(experiment: str, tmp
     out = subprocess.run(
         train, env=env(), capture_output=True, text=True, timeout=1500, start_new_session=True
     )
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     folder = tmp_path / experiment
+    logs = "".join(log.read_text()[-1500:] for log in sorted(folder.glob("*.log")))  # launcher.parallel > 1
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:] + logs
     jobs, groups = QUICK[experiment]
     record = json.loads((folder / SWEEP_FILE).read_text())
     assert len(record["jobs"]) == jobs and all(j["exit_code"] == 0 for j in record["jobs"])

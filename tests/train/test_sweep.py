@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import rlfw.sweep
 from rlfw.config import ConfigError
-from rlfw.sweep import SWEEP_FILE, expand, job_name, plan
+from rlfw.sweep import SWEEP_FILE, expand, job_name, plan, run_sweep
 from tests.train._run import SMALL, command, env
 
 
@@ -111,3 +113,75 @@ def test_cfg_job_with_a_sweep_prints_every_jobs_config(capsys: pytest.CaptureFix
     assert main(["train", "-m", "seed=3,4", "--cfg", "job"]) == 0
     out = capsys.readouterr().out
     assert out.count("# job ") == 2 and "\nseed: 3\n" in out and "\nseed: 4\n" in out
+
+
+# Stand-ins for `rlfw train` in the launcher tests: each job is a small Python process that sees its
+# overrides (its name is in logger.run_name='NN-...') and a shared folder given by the test.
+WAIT_FOR_EACH_OTHER = """
+import pathlib, sys, time
+here = pathlib.Path(sys.argv[1])
+name = [a for a in sys.argv if a.startswith("logger.run_name=")][0].split("=", 1)[1].strip("'")
+(here / name).touch()
+print("job", name, "started", flush=True)
+deadline = time.monotonic() + 60
+while len(list(here.iterdir())) < 2:  # every job waits until two have started
+    if time.monotonic() > deadline:
+        sys.exit(3)
+    time.sleep(0.01)
+sys.exit(1 if name.startswith("01") else 0)
+"""
+STOP_THE_SWEEP = """
+import os, pathlib, signal, sys
+here = pathlib.Path(sys.argv[1])
+name = [a for a in sys.argv if a.startswith("logger.run_name=")][0].split("=", 1)[1].strip("'")
+(here / name).touch()
+signal.signal(signal.SIGINT, lambda *_: sys.exit(130))  # as rlfw train does: checkpoint, exit 130
+os.kill(os.getppid(), signal.SIGINT)  # the user presses Ctrl-C: the sweep, not the job, gets it
+signal.pause()
+sys.exit(4)  # only if a signal other than SIGINT woke the job
+"""
+
+
+def _stand_in(monkeypatch: pytest.MonkeyPatch, script: str, shared: Path) -> None:
+    shared.mkdir()
+    monkeypatch.setattr(
+        rlfw.sweep, "train_command", lambda args: [sys.executable, "-c", script, str(shared), *args]
+    )
+
+
+def test_parallel_jobs_run_at_once_write_their_own_logs_and_record_exit_codes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each job waits until two jobs have started, so the sweep completes only if two run at once (one at
+    # a time, the first job would wait out its deadline and exit 3).
+    _stand_in(monkeypatch, WAIT_FOR_EACH_OTHER, tmp_path / "started")
+    code = run_sweep(
+        ["-m", f"logger.run_root={tmp_path}", "logger.run_name=p", "launcher.parallel=2", "seed=0,1,2,3"]
+    )
+    assert code == 1  # job 01 fails: the sweep says so, and the others still ran
+    record = json.loads((tmp_path / "p" / SWEEP_FILE).read_text())
+    assert [(j["name"], j["exit_code"]) for j in record["jobs"]] == [
+        ("00-seed=0", 0),
+        ("01-seed=1", 1),
+        ("02-seed=2", 0),
+        ("03-seed=3", 0),
+    ]
+    for job in record["jobs"]:
+        assert (tmp_path / "p" / f"{job['name']}.log").read_text() == f"job {job['name']} started\n"
+    out = capsys.readouterr().out
+    assert "1 of 4 jobs failed: 01-seed=1" in out and "(4 of 4 done)" in out
+
+
+def test_ctrl_c_reaches_the_running_jobs_once_and_no_other_job_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The first job presses Ctrl-C on the sweep and then waits for the SIGINT the sweep passes on; it
+    # exits 130 as a run does after its checkpoint. The second job must never start.
+    _stand_in(monkeypatch, STOP_THE_SWEEP, tmp_path / "started")
+    code = run_sweep(["-m", f"logger.run_root={tmp_path}", "logger.run_name=s", "seed=0,1"])
+    assert code == 130
+    assert [p.name for p in (tmp_path / "started").iterdir()] == ["00-seed=0"]
+    record = json.loads((tmp_path / "s" / SWEEP_FILE).read_text())
+    assert [(j["name"], j["exit_code"]) for j in record["jobs"]] == [("00-seed=0", 130), ("01-seed=1", None)]
+    out = capsys.readouterr().out
+    assert "Continue: rlfw train -m " in out and "logger.run_name=s resume=true" in out
