@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfw.distributed.cluster import SUBPROCESS_ENV
+from rlfw.logging.compare import sweep_runs
 
 SWEEP = [
     "recipe=experiments/discrepancy_lag",
@@ -46,13 +47,10 @@ def run_sweep(root: Path, name: str, parallel: int, overrides: list[str]) -> flo
 
 def logged_values(folder: Path) -> dict[str, list[dict[str, Any]]]:
     """Each job's metrics rows without the machine-dependent keys."""
-    jobs = json.loads((folder / "sweep.json").read_text())["jobs"]
-    out = {}
-    for job in jobs:
-        lines = (folder / job["name"] / "metrics.jsonl").read_text().splitlines()
-        rows = [json.loads(line) for line in lines]
-        out[job["name"]] = [{k: v for k, v in r.items() if not k.startswith(MACHINE_DEPENDENT)} for r in rows]
-    return out
+    return {
+        run.name: [{k: v for k, v in row.items() if not k.startswith(MACHINE_DEPENDENT)} for row in run.rows]
+        for run in sweep_runs(folder)
+    }
 
 
 def main() -> None:
