@@ -42,6 +42,7 @@ from torch import Tensor
 
 from rlfw.kernels import cpu_native
 from rlfw.kernels.matmul import ROW_BLOCK, k_tiled_matmul
+from rlfw.kernels.threads import widened
 
 KV_TILE = 32
 TILE_GROUP = 16
@@ -221,17 +222,46 @@ def attention(
         if rows is None or k_cache.dtype != torch.float32:  # a bf16 cache: gather, then widen the rows
             k_cache, v_cache = take_rows(k_cache, v_cache, rows, q_pos)
             rows = torch.arange(q.shape[0])
-        out = cpu_native.module().attention(
-            _f32(q),
-            _f32(k_cache),
-            _f32(v_cache),
-            q_pos.to(torch.long).contiguous(),
-            rows.to(torch.long).contiguous(),
-            float(scale),
-        )
+        with widened():  # one thread per query token: the same bits at any thread count
+            out = cpu_native.module().attention(
+                _f32(q),
+                _f32(k_cache),
+                _f32(v_cache),
+                q_pos.to(torch.long).contiguous(),
+                rows.to(torch.long).contiguous(),
+                float(scale),
+            )
         return out if out.dtype == q.dtype else out.to(q.dtype)
     k_cache, v_cache = take_rows(k_cache, v_cache, rows, q_pos)
     return tiled_attention(q, k_cache, v_cache, q_pos, scale)
+
+
+class CompiledBackward(torch.autograd.Function):
+    """:func:`attention` on the batch's own fp32 K/V (training) with the compiled backward: one pass per
+    (batch entry, KV head) that recomputes each query's softmax and accumulates ``dq``, ``dk``, ``dv``,
+    instead of differentiating :func:`attention_reference` under autograd. The forward is the CPU kernel
+    itself, so the trainer's forward bits do not change."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+        q_pos = q_pos.to(torch.long).contiguous()
+        ctx.save_for_backward(q, k, v, q_pos)
+        ctx.scale = scale
+        return attention(q, k, v, q_pos, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        q, k, v, q_pos = ctx.saved_tensors
+        with widened():  # one thread per (batch entry, KV head): the same bits at any thread count
+            dq, dk, dv = cpu_native.module().attention_backward(
+                q.contiguous(), k.contiguous(), v.contiguous(), q_pos, float(ctx.scale), grad.contiguous()
+            )
+        return dq, dk, dv, None, None
+
+
+def compiled_backward_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether :class:`CompiledBackward` serves a training call: fp32 operands on CPU."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k, v))
 
 
 def paged_attention(
@@ -246,14 +276,15 @@ def paged_attention(
     ``q_pos[i]`` (negative: padding, zeros). Returns ``[N, Hq, D]`` in ``q.dtype``.
     """
     blocks, hkv, block, width = kv_cache.shape
-    out = cpu_native.module().paged_attention(
-        _f32(q),
-        _kv_pairs(kv_cache).contiguous(),
-        seq.to(torch.long).contiguous(),
-        q_pos.to(torch.long).contiguous(),
-        block_table.to(torch.long).contiguous(),
-        float(scale),
-    )
+    with widened():
+        out = cpu_native.module().paged_attention(
+            _f32(q),
+            _kv_pairs(kv_cache).contiguous(),
+            seq.to(torch.long).contiguous(),
+            q_pos.to(torch.long).contiguous(),
+            block_table.to(torch.long).contiguous(),
+            float(scale),
+        )
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 

@@ -1,7 +1,10 @@
 """Training wrappers: the forward is the inference op bit for bit, the backward is plain torch math.
 
-Ops spelt with differentiable torch ops whose forward already *is* the inference op (RMSNorm, RoPE,
-SiLU, log-softmax, router gates) need no wrapper. The two that do:
+Ops spelt with differentiable torch ops whose forward already *is* the inference op (log-softmax, router
+gates; RMSNorm, RoPE and SiLU off CPU) need no wrapper. On CPU in fp32, RMSNorm, RoPE, SiLU-mul
+(:mod:`~rlfw.kernels.norm`, :mod:`~rlfw.kernels.elementwise`) and the attention
+(:class:`~rlfw.kernels.attention.CompiledBackward`) carry their own wrappers with compiled backward
+passes. The two here:
 
 * :class:`InvariantLinear`: the padded forward would make autograd save padded copies; its backward is
   the two textbook matmuls ``dx = g @ W`` and ``dW = g.T @ x`` (fixed shapes, deterministic on CPU).

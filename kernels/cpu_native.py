@@ -16,7 +16,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("module.cpp", "linear.cpp", "attention.cpp")]
+SOURCES = [
+    Path(__file__).with_name("csrc") / name
+    for name in ("module.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp")
+]
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 """``-march=native`` only decides speed (AVX2/FMA or the portable path): both paths compute the same
 fma chains, and fma is exactly rounded, so every machine gets the same bits. ``-ffp-contract=off`` keeps

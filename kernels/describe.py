@@ -31,6 +31,7 @@ def _attention_record(backend: str) -> dict[str, Any]:
 
     common = {"accumulate": "fp32", "backward": "recompute_reference_fp32"}
     if backend != "triton" and not torch.cuda.is_available():  # the compiled kernel
+        common["backward"] = "cpp_per_kv_head_recompute_softmax"
         return {
             "impl": "cpp_row_two_pass_softmax",
             "visible": "slots_0_to_position_only",
@@ -69,7 +70,13 @@ def describe_invariant(backend: str) -> dict[str, Any]:
             "round": "normed_to_input_dtype_then_weight_mul",
             "sum_chunk": None if triton_like else reduce.SUM_CHUNK,
         },
-        "rope": {"impl": "torch_elementwise", "math": "fp32", "layout": "rotate_half"},
+        "rope": {
+            # the compiled kernel on CPU: the torch spelling's IEEE operations, in its order
+            "impl": "torch_elementwise" if triton_like or torch.cuda.is_available() else "cpp_elementwise",
+            "math": "fp32",
+            "layout": "rotate_half",
+            "products": "unfused_mul_mul_add",
+        },
         "silu_mul": {"impl": "torch_elementwise", "silu": "x/(1+exp(-x))", "math": "fp32", "round": "once"},
         "attention": _attention_record(backend),
         "log_softmax": {

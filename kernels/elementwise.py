@@ -5,12 +5,32 @@ and the last few elements of each contiguous run through scalar code, and for so
 disagree. Measured here: ``F.silu`` differs between the two paths on ~3.6% of fp32 inputs, so a row at
 the end of a batch could get other bits than the same row in the middle. ``exp`` and IEEE
 ``+ - * /`` agree on both paths (a test checks ``exp``), so SiLU is spelt with those.
+
+On CPU in fp32 the compiled kernels (``kernels/csrc/elementwise.cpp``) serve RoPE (the same IEEE
+operations, so the same bits) and the trainer's backward of all three ops: one pass over memory each
+instead of autograd's chain of small nodes, whose bits do not depend on the thread count (so a trainer
+may widen them onto lent cores). The forward values never change: the autograd wrappers below run the
+same torch operations as the no-grad path and only keep what their backward needs.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from rlfw.kernels import cpu_native
+from rlfw.kernels.threads import widened
+
+
+def native(*tensors: Tensor) -> bool:
+    """Whether the compiled elementwise kernels serve these operands: fp32 tensors on CPU."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -19,7 +39,48 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE in fp32: ``x [B, T, H, D]``, ``cos``/``sin [B, T, D]``; result in ``x.dtype``."""
+    """Rotate-half RoPE in fp32: ``x [B, T, H, D]``, ``cos``/``sin [B, T, D]``; result in ``x.dtype``.
+
+    On CPU the compiled kernel computes :func:`rope_reference`'s operations in the same order (same bits);
+    with autograd on an fp32 ``x`` its backward is the compiled one too."""
+    if (
+        x.dim() != 4
+        or cos.dim() != 3
+        or cos.shape[-1] != x.shape[-1]
+        or not native(cos, sin)
+        or x.device.type != "cpu"
+    ):
+        return rope_reference(x, cos, sin)
+    cos, sin = cos.expand(*x.shape[:2], -1).contiguous(), sin.expand(*x.shape[:2], -1).contiguous()
+    if needs_grad(x):
+        if x.dtype != torch.float32:
+            return rope_reference(x, cos, sin)
+        out: Tensor = _Rope.apply(x, cos, sin)
+        return out
+    xf = (x if x.dtype == torch.float32 else x.float()).contiguous()
+    with widened():
+        out = cpu_native.module().rope(xf, cos, sin)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        with widened():
+            out: Tensor = cpu_native.module().rope(x.contiguous(), cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        with widened():
+            dx: Tensor = cpu_native.module().rope_backward(grad.contiguous(), cos, sin)
+        return dx, None, None
+
+
+def rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE spelt with torch ops (other devices, bf16 training, and the reference the kernel matches)."""
     xf = x.float()
     cos, sin = cos[:, :, None, :].float(), sin[:, :, None, :].float()
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
@@ -38,9 +99,32 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """
     g = gate if gate.dtype == torch.float32 else gate.float()
     u = up if up.dtype == torch.float32 else up.float()
-    if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
+    if needs_grad(g, u):
+        if native(gate, up):
+            fused: Tensor = _SiluMul.apply(g, u)
+            return fused
         out = silu(g) * u
     else:
         denom = torch.neg(g).exp_().add_(1.0)
         out = torch.div(g, denom, out=denom).mul_(u)
     return out if out.dtype == gate.dtype else out.to(gate.dtype)
+
+
+class _SiluMul(torch.autograd.Function):
+    """:func:`silu_mul` with the compiled backward: the forward is the no-grad path's operations (same
+    bits) and keeps ``1 + exp(-gate)`` for the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, g: Tensor, u: Tensor) -> Tensor:
+        denom = torch.neg(g).exp_().add_(1.0)
+        ctx.save_for_backward(g, u, denom)
+        return torch.div(g, denom).mul_(u)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        g, u, denom = ctx.saved_tensors
+        with widened():
+            dg, du = cpu_native.module().silu_mul_backward(
+                grad.contiguous(), g.contiguous(), u.contiguous(), denom
+            )
+        return dg, du

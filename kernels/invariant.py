@@ -111,6 +111,10 @@ class InvariantOps:
         if rows is not None and self.backend == "torch":  # the engine's cache, read in place
             return attn.attention(q, k_cache, v_cache, q_pos, scale, rows)
         k_cache, v_cache = attn.take_rows(k_cache, v_cache, rows, q_pos)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache))
+        if needs_grad and self.backend == "torch" and attn.compiled_backward_applies(q, k_cache, v_cache):
+            out: Tensor = attn.CompiledBackward.apply(q, k_cache, v_cache, q_pos, scale)
+            return out
         return recompute_backward(
             self._attention, attn.attention_reference, q, k_cache, v_cache, q_pos, scale
         )

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from rlfw.kernels import cpu_native
+from rlfw.kernels.elementwise import native, needs_grad
 from rlfw.kernels.reduce import row_sum
+from rlfw.kernels.threads import widened
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -15,7 +20,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     scale by ``weight``), with the mean taken as :func:`row_sum` divided by the row length so its order
     is fixed per row. ``rsqrt`` gives the same bits on torch's vector and scalar paths in fp32 (checked by
     a test), so position inside the batch cannot change it.
+
+    With autograd on fp32 CPU operands the backward is the compiled one (the forward is unchanged).
     """
+    if needs_grad(x, weight) and native(x, weight):
+        out: Tensor = _RMSNorm.apply(x, weight, eps)
+        return out
     xf = x.float()
     mean_sq = row_sum(xf * xf) / x.shape[-1]
     normed = xf * torch.rsqrt(mean_sq + eps).unsqueeze(-1)
@@ -26,3 +36,26 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # this way because torch's vector and scalar bf16 multiplies give a NaN (a zero row with eps=0)
     # different payloads, which would make the bits of such a row depend on its place in the batch.
     return (weight.float() * normed.to(x.dtype).float()).to(out_dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """fp32 :func:`rms_norm` (the same operations) keeping each row's ``rsqrt`` for the compiled backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        r = torch.rsqrt(row_sum(x * x) / x.shape[-1] + eps)
+        ctx.save_for_backward(x, r, weight)
+        return weight * (x * r.unsqueeze(-1))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, r, weight = ctx.saved_tensors
+        d = x.shape[-1]
+        with widened():
+            dx, dw = cpu_native.module().rms_norm_backward(
+                grad.reshape(-1, d).contiguous(),
+                x.reshape(-1, d).contiguous(),
+                r.reshape(-1),
+                weight.contiguous(),
+            )
+        return dx.view(x.shape), dw, None

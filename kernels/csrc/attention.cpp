@@ -16,6 +16,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -401,4 +402,102 @@ torch::Tensor exp_f32_tensor(const torch::Tensor& x) {
 #endif
   for (; i < n; ++i) p[i] = exp_f32(p[i]);
   return out;
+}
+
+// The gradients of attention() with respect to q, k and v (training: k and v [B, S, Hkv, D] are the batch's
+// own rows, no cache indirection) for the output gradient grad [B, T, Hq, D]. Gradients need no bits of
+// their own to match, only a fixed order: one task per (batch entry, KV head) computes every query of that
+// head group, tokens ascending, so each element of dk and dv is summed by one thread in one order whatever
+// the thread count. Per query row: p = softmax(scale * q.k_i) over i <= pos, dp_i = g.v_i,
+// ds_i = p_i (dp_i - sum_j p_j dp_j); dq = scale * sum_i ds_i k_i, dk_i += scale * ds_i q, dv_i += p_i g.
+std::vector<torch::Tensor> attention_backward(const torch::Tensor& q, const torch::Tensor& k,
+                                              const torch::Tensor& v, const torch::Tensor& q_pos, double scale,
+                                              const torch::Tensor& grad) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_pos.dim() == 2 && grad.sizes() == q.sizes(),
+              "attention_backward: bad ranks");
+  for (const auto* t : {&q, &k, &v, &grad})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "attention_backward: contiguous fp32");
+  TORCH_CHECK(q_pos.scalar_type() == at::kLong && q_pos.is_contiguous(), "attention_backward: int64 positions");
+  const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3);
+  const int64_t s = k.size(1), hkv = k.size(2);
+  TORCH_CHECK(k.size(0) == b && hkv > 0 && hq % hkv == 0 && k.size(3) == d && v.sizes() == k.sizes(),
+              "attention_backward: shapes");
+  const int64_t* pos = q_pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b * t; ++i)
+    TORCH_CHECK(pos[i] < s, "attention_backward: position ", pos[i], " outside the keys (", s, ")");
+  auto dq = torch::zeros_like(q);
+  auto dk = torch::zeros_like(k);
+  auto dv = torch::zeros_like(v);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* gp = grad.data_ptr<float>();
+  float* dqp = dq.data_ptr<float>();
+  float* dkp = dk.data_ptr<float>();
+  float* dvp = dv.data_ptr<float>();
+  const int64_t group = hq / hkv;
+  const float sc = static_cast<float>(scale);
+  // Per (query row, key i): dq += ds_i k_i, dk_i += ds_i q, dv_i += p_i g, eight floats at a time.
+  const auto update = [d](float ds, float pi, const float* kr, const float* qr, const float* gr, float* dqr,
+                          float* dkr, float* dvr) {
+    int64_t j = 0;
+#if RLFW_AVX2
+    const __m256 dsv = _mm256_set1_ps(ds), pv = _mm256_set1_ps(pi);
+    for (; j + kLanes <= d; j += kLanes) {
+      _mm256_storeu_ps(dqr + j, _mm256_fmadd_ps(dsv, _mm256_loadu_ps(kr + j), _mm256_loadu_ps(dqr + j)));
+      _mm256_storeu_ps(dkr + j, _mm256_fmadd_ps(dsv, _mm256_loadu_ps(qr + j), _mm256_loadu_ps(dkr + j)));
+      _mm256_storeu_ps(dvr + j, _mm256_fmadd_ps(pv, _mm256_loadu_ps(gr + j), _mm256_loadu_ps(dvr + j)));
+    }
+#endif
+    for (; j < d; ++j) {
+      dqr[j] = std::fma(ds, kr[j], dqr[j]);
+      dkr[j] = std::fma(ds, qr[j], dkr[j]);
+      dvr[j] = std::fma(pi, gr[j], dvr[j]);
+    }
+  };
+  // Dot products of a against rows 0 .. n-1 (row i at rows(i)): eight at a time where the vector path is built.
+  const auto dots = [d](const float* a, int64_t n, const auto& rows, float* out) {
+    int64_t i = 0;
+#if RLFW_AVX2
+    for (; i + kLanes <= n; i += kLanes) {
+      const float* b[kLanes];
+      for (int64_t l = 0; l < kLanes; ++l) b[l] = rows(i + l);
+      dot8(a, b, d, out + i);
+    }
+#endif
+    for (; i < n; ++i) out[i] = dot(a, rows(i), d);
+  };
+  at::parallel_for(0, b * hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(s), dp(s);
+    for (int64_t task = i0; task < i1; ++task) {
+      const int64_t bi = task / hkv, kvh = task % hkv;
+      const int64_t row0 = bi * s * hkv * d + kvh * d, step = hkv * d;  // key i of this head: row0 + i * step
+      const auto key = [&](int64_t i) { return kp + row0 + i * step; };
+      const auto value = [&](int64_t i) { return vp + row0 + i * step; };
+      for (int64_t ti = 0; ti < t; ++ti) {
+        const int64_t last = pos[bi * t + ti];
+        if (last < 0) continue;
+        const int64_t n = last + 1;
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+          const int64_t at_q = ((bi * t + ti) * hq + h) * d;
+          const float* qr = qp + at_q;
+          const float* gr = gp + at_q;
+          dots(qr, n, key, p.data());
+          float m = -INFINITY;
+          for (int64_t i = 0; i < n; ++i) m = std::max(m, p[i] *= sc);
+          float total = 0.0f;
+          for (int64_t i = 0; i < n; ++i) total += (p[i] = std::exp(p[i] - m));
+          dots(gr, n, value, dp.data());
+          float mean_dp = 0.0f;
+          for (int64_t i = 0; i < n; ++i) mean_dp += (p[i] /= total) * dp[i];
+          for (int64_t i = 0; i < n; ++i) {
+            const float ds = sc * p[i] * (dp[i] - mean_dp);
+            const int64_t at_kv = row0 + i * step;
+            update(ds, p[i], kp + at_kv, qr, gr, dqp + at_q, dkp + at_kv, dvp + at_kv);
+          }
+        }
+      }
+    }
+  });
+  return {dq, dk, dv};
 }

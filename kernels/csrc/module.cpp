@@ -11,6 +11,15 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& seq,
                               const torch::Tensor& pos, const torch::Tensor& block_table, double scale);
 torch::Tensor exp_f32_tensor(const torch::Tensor& x);
+std::vector<torch::Tensor> attention_backward(const torch::Tensor& q, const torch::Tensor& k,
+                                              const torch::Tensor& v, const torch::Tensor& q_pos, double scale,
+                                              const torch::Tensor& grad);
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor rope_backward(const torch::Tensor& grad, const torch::Tensor& cos, const torch::Tensor& sin);
+std::vector<torch::Tensor> silu_mul_backward(const torch::Tensor& grad, const torch::Tensor& g,
+                                             const torch::Tensor& u, const torch::Tensor& denom);
+std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const torch::Tensor& x,
+                                             const torch::Tensor& r, const torch::Tensor& w);
 bool vectorised();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -21,6 +30,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attention", &attention, "batch-invariant causal attention over the slotted K/V layout");
   mod.def("paged_attention", &paged_attention,
           "the same attention over a paged K/V cache read through a block table (vLLM's layout)");
+  mod.def("rope", &rope, "rotate-half RoPE, fp32 (the same bits as x * cos + rotate_half(x) * sin)");
+  mod.def("rope_backward", &rope_backward, "RoPE's gradient with respect to x");
+  mod.def("silu_mul_backward", &silu_mul_backward, "(d gate, d up) of silu(gate) * up, one pass");
+  mod.def("rms_norm_backward", &rms_norm_backward, "(dx, d weight) of RMSNorm, one pass per row");
+  mod.def("attention_backward", &attention_backward, "(dq, dk, dv) of attention over the batch's own K/V");
   mod.def("exp", &exp_f32_tensor, "the attention softmax's fp32 exp, elementwise (tests)");
   mod.def("vectorised", &vectorised, "whether the AVX2/FMA path was compiled");
 }

@@ -195,10 +195,11 @@ def _train_grads(model: Transformer, ids: torch.Tensor) -> dict[str, torch.Tenso
 
 
 def test_gradients_do_not_change_when_idle_cores_are_lent() -> None:
-    """``lend_idle_cores=true`` widens only the compiled kernels (forward and the linears' backward), at
-    whatever moments a neighbour idles; every gradient must keep its bits. The control shows the hazard
-    this guards against: running the whole backward on more threads does change gradient bits here
-    (the recomputed attention's backward reduces in a thread-dependent order)."""
+    """``lend_idle_cores=true`` widens only the compiled kernels (the forward, the linears' backward, and
+    the backward passes of the attention, RMSNorm and SiLU-mul), at whatever moments a neighbour idles;
+    every gradient must keep its bits. (torch's own backward ops, which the compiled ones replaced here,
+    reduced in a thread-dependent order: the recomputed attention's backward changed gradient bits at
+    four threads on this model.)"""
     from rlfw.kernels import threads
     from rlfw.model.config import ModelArgs
 
@@ -207,14 +208,15 @@ def test_gradients_do_not_change_when_idle_cores_are_lent() -> None:
     model = Transformer(args, kernels="invariant").train()
     ids = torch.randint(4, 96, (16, 70), generator=torch.Generator().manual_seed(1))
     grads = {}
-    for lent, own in ((1, 1), (4, 1), (4, 4)):
+    for lent, own in ((1, 1), (4, 1)):
         threads.set_lender(lambda lent=lent: lent)  # type: ignore[misc]
         try:
             with torch_threads(own):
                 grads[lent, own] = _train_grads(model, ids)
         finally:
             threads.set_lender(None)
-    one, lent_to_four, whole = grads[1, 1], grads[4, 1], grads[4, 4]
+    one, lent_to_four = grads[1, 1], grads[4, 1]
+    assert len(one) == len(list(model.parameters()))  # every weight's gradient is compared
     for name in one:
+        assert bool(one[name].any()), f"{name}: an all-zero gradient compares nothing"
         assert same_bits(one[name], lent_to_four[name]), name
-    assert any(not same_bits(one[name], whole[name]) for name in one)

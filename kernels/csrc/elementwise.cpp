@@ -1,0 +1,172 @@
+// The trainer's elementwise ops around the linears: RoPE (forward and backward), and the backward passes
+// of SwiGLU's gate and of RMSNorm, each one pass over memory instead of a chain of autograd nodes.
+//
+// RoPE's forward is the same IEEE operations as the torch spelling x * cos + rotate_half(x) * sin (two
+// rounded products, one rounded sum; the build's -ffp-contract=off keeps them unfused), so it gives the
+// same bits as the spelling it replaces, on the engine's and on the trainer's side. The backward passes
+// need no bits of their own to match (they are gradients), only a fixed order: every output element is
+// computed by one thread from its own inputs, and RMSNorm's weight gradient sums its rows in ascending
+// order per column, so the results do not depend on the number of threads.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGrain = 16384;  // elements per parallel chunk (well above a thread's start-up cost)
+
+void check_f32(const torch::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(), op, ": ", name,
+              " must be a contiguous fp32 CPU tensor");
+}
+
+}  // namespace
+
+// x [B, T, H, D], cos/sin [B, T, D], h = D / 2 (rounded down), n = D - h:
+// out[i] = x_i cos_i - x_{i+h} sin_i (i < n) and x_i cos_i + x_{i-n} sin_i (i >= n), exactly as torch computes
+// x * cos + cat(-x[h:], x[:h]) * sin (both halves equal when D is even).
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_f32(x, "rope", "x");
+  check_f32(cos, "rope", "cos");
+  check_f32(sin, "rope", "sin");
+  TORCH_CHECK(x.dim() == 4 && cos.dim() == 3 && sin.sizes() == cos.sizes() && cos.size(0) == x.size(0) &&
+                  cos.size(1) == x.size(1) && cos.size(2) == x.size(3),
+              "rope: x [B, T, H, D] with cos/sin [B, T, D]");
+  const int64_t tokens = x.size(0) * x.size(1), heads = x.size(2), d = x.size(3), h = d / 2, n = d - h;
+  auto out = torch::empty_like(x);
+  const float* xs = x.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, heads * d));
+  at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cs + t * d;
+      const float* s = sn + t * d;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        const float* xr = xs + (t * heads + hd) * d;
+        float* orow = o + (t * heads + hd) * d;
+        for (int64_t i = 0; i < n; ++i) {
+          const float a = xr[i] * c[i];
+          const float b = -xr[i + h] * s[i];
+          orow[i] = a + b;
+        }
+        for (int64_t i = n; i < d; ++i) {
+          const float a = xr[i] * c[i];
+          const float b = xr[i - n] * s[i];
+          orow[i] = a + b;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// The gradient of rope with respect to x: dx_j = g_j cos_j, then dx_{i+h} -= g_i sin_i (i < n) and
+// dx_{i-n} += g_i sin_i (i >= n).
+torch::Tensor rope_backward(const torch::Tensor& grad, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_f32(grad, "rope_backward", "grad");
+  check_f32(cos, "rope_backward", "cos");
+  check_f32(sin, "rope_backward", "sin");
+  TORCH_CHECK(grad.dim() == 4 && cos.dim() == 3 && sin.sizes() == cos.sizes() && cos.size(0) == grad.size(0) &&
+                  cos.size(1) == grad.size(1) && cos.size(2) == grad.size(3),
+              "rope_backward: grad [B, T, H, D] with cos/sin [B, T, D]");
+  const int64_t tokens = grad.size(0) * grad.size(1), heads = grad.size(2), d = grad.size(3), h = d / 2, n = d - h;
+  auto dx = torch::empty_like(grad);
+  const float* g = grad.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  float* o = dx.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, heads * d));
+  at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cs + t * d;
+      const float* s = sn + t * d;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        const float* gr = g + (t * heads + hd) * d;
+        float* orow = o + (t * heads + hd) * d;
+        for (int64_t j = 0; j < d; ++j) orow[j] = gr[j] * c[j];
+        for (int64_t i = 0; i < n; ++i) orow[i + h] -= gr[i] * s[i];
+        for (int64_t i = n; i < d; ++i) orow[i - n] += gr[i] * s[i];
+      }
+    }
+  });
+  return dx;
+}
+
+// out = silu(g) * u with silu(g) = g / denom, denom = 1 + exp(-g) (kept by the forward). With s = 1 / denom:
+// du = grad * g * s and dg = grad * u * s * (1 + g * (1 - s)).
+std::vector<torch::Tensor> silu_mul_backward(const torch::Tensor& grad, const torch::Tensor& g,
+                                             const torch::Tensor& u, const torch::Tensor& denom) {
+  check_f32(grad, "silu_mul_backward", "grad");
+  check_f32(g, "silu_mul_backward", "gate");
+  check_f32(u, "silu_mul_backward", "up");
+  check_f32(denom, "silu_mul_backward", "denom");
+  TORCH_CHECK(grad.sizes() == g.sizes() && u.sizes() == g.sizes() && denom.sizes() == g.sizes(),
+              "silu_mul_backward: grad, gate, up and denom must have one shape");
+  auto dg = torch::empty_like(g);
+  auto du = torch::empty_like(u);
+  const float* gr = grad.data_ptr<float>();
+  const float* gs = g.data_ptr<float>();
+  const float* us = u.data_ptr<float>();
+  const float* dn = denom.data_ptr<float>();
+  float* dgo = dg.data_ptr<float>();
+  float* duo = du.data_ptr<float>();
+  at::parallel_for(0, g.numel(), kGrain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float s = 1.0f / dn[i];
+      const float x = gs[i];
+      duo[i] = gr[i] * (x * s);
+      dgo[i] = gr[i] * us[i] * s * (1.0f + x * (1.0f - s));
+    }
+  });
+  return {dg, du};
+}
+
+// y = w * (x * r) over rows of D with r = rsqrt(mean(x^2) + eps) (kept by the forward), x [R, D]:
+// dx = r * (w g) - x * r^3 * sum(w g x) / D per row; dw = sum over rows of g * x * r, rows ascending.
+std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const torch::Tensor& x,
+                                             const torch::Tensor& r, const torch::Tensor& w) {
+  check_f32(grad, "rms_norm_backward", "grad");
+  check_f32(x, "rms_norm_backward", "x");
+  check_f32(r, "rms_norm_backward", "rsqrt");
+  check_f32(w, "rms_norm_backward", "weight");
+  TORCH_CHECK(x.dim() == 2 && grad.sizes() == x.sizes() && r.dim() == 1 && r.size(0) == x.size(0) &&
+                  w.dim() == 1 && w.size(0) == x.size(1),
+              "rms_norm_backward: grad and x [R, D], rsqrt [R], weight [D]");
+  const int64_t rows = x.size(0), d = x.size(1);
+  auto dx = torch::empty_like(x);
+  auto dw = torch::zeros_like(w);
+  const float* g = grad.data_ptr<float>();
+  const float* xs = x.data_ptr<float>();
+  const float* rs = r.data_ptr<float>();
+  const float* ws = w.data_ptr<float>();
+  float* dxo = dx.data_ptr<float>();
+  float* dwo = dw.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / d), [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      const float* gr = g + row * d;
+      const float* xr = xs + row * d;
+      float* o = dxo + row * d;
+      float dot = 0.0f;
+      for (int64_t j = 0; j < d; ++j) dot += ws[j] * gr[j] * xr[j];
+      const float rr = rs[row];
+      const float c = rr * rr * rr * dot / static_cast<float>(d);
+      for (int64_t j = 0; j < d; ++j) o[j] = rr * (ws[j] * gr[j]) - c * xr[j];
+    }
+  });
+  constexpr int64_t kCols = 16;  // columns per task: each column's rows are summed by one thread in order
+  at::parallel_for(0, (d + kCols - 1) / kCols, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t j0 = c0 * kCols, j1 = std::min(d, c1 * kCols);
+    for (int64_t row = 0; row < rows; ++row) {
+      const float* gr = g + row * d;
+      const float* xr = xs + row * d;
+      const float rr = rs[row];
+      for (int64_t j = j0; j < j1; ++j) dwo[j] += gr[j] * (xr[j] * rr);
+    }
+  });
+  return {dx, dw};
+}

@@ -1,0 +1,138 @@
+"""The compiled CPU kernels of the trainer's elementwise ops and attention backward
+(``kernels/csrc/elementwise.cpp``, ``attention_backward`` in ``kernels/csrc/attention.cpp``).
+
+What they promise: the forward under autograd has the bits of the no-grad forward (the engine's), the
+gradients are those of the reference math (checked against float64 autograd), and the gradients' bits do
+not depend on the thread count (so a trainer may run them on lent cores)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from rlfw.kernels import attention as attn
+from rlfw.kernels import elementwise, norm
+from rlfw.kernels.reduce import row_sum
+from tests.kernels.bits import assert_same_bits, torch_threads
+
+
+def _grads(fn: Callable[..., Tensor], inputs: list[Tensor], grad: Tensor) -> tuple[Tensor, list[Tensor]]:
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad)
+    return out.detach(), [leaf.grad for leaf in leaves]  # type: ignore[misc]
+
+
+def _reference_grads(fn: Callable[..., Tensor], inputs: list[Tensor], grad: Tensor) -> list[Tensor]:
+    """Gradients of ``fn`` in float64 under plain autograd, rounded to fp32."""
+    return [g.float() for g in _grads(fn, [t.double() for t in inputs], grad.double())[1]]
+
+
+def _close(got: list[Tensor], want: list[Tensor]) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-4)
+
+
+def _rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return x * c + torch.cat((-x[..., half:], x[..., :half]), -1) * s
+
+
+def _rms_ref(x: Tensor, w: Tensor) -> Tensor:
+    return w * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6))
+
+
+def _tables(b: int, t: int, d: int) -> tuple[Tensor, Tensor]:
+    angle = torch.randn(b, t, d)
+    return angle.cos(), angle.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_kernel_has_the_bits_of_the_torch_spelling(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(3, 7, 5, 64) * 30).to(dtype)
+    cos, sin = _tables(3, 7, 64)
+    assert_same_bits(elementwise.rope(x, cos, sin), elementwise.rope_reference(x, cos, sin), "rope")
+    # tables broadcast over the batch (one [1, T, D] table), as a caller may pass them
+    assert_same_bits(
+        elementwise.rope(x, cos[:1], sin[:1]), elementwise.rope_reference(x, cos[:1], sin[:1]), "broadcast"
+    )
+
+
+def test_rope_gradient() -> None:
+    torch.manual_seed(1)
+    x, g = torch.randn(2, 6, 4, 32), torch.randn(2, 6, 4, 32)
+    cos, sin = _tables(2, 6, 32)
+    out, got = _grads(lambda t: elementwise.rope(t, cos, sin), [x], g)
+    assert_same_bits(out, elementwise.rope_reference(x, cos, sin), "forward under autograd")
+    _close(got, _reference_grads(lambda t: _rope_ref(t, cos.double(), sin.double()), [x], g))
+
+
+def test_silu_mul_gradient_and_forward_bits() -> None:
+    torch.manual_seed(2)
+    gate, up, g = torch.randn(4, 9, 100) * 6, torch.randn(4, 9, 100), torch.randn(4, 9, 100)
+    out, got = _grads(elementwise.silu_mul, [gate, up], g)
+    with torch.no_grad():
+        assert_same_bits(out, elementwise.silu_mul(gate, up), "forward under autograd")
+    _close(got, _reference_grads(lambda a, b: a * torch.sigmoid(a) * b, [gate, up], g))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 512), (2, 7, 8, 64), (1, 1, 7)])
+def test_rms_norm_gradient_and_forward_bits(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(3)
+    x, w, g = torch.randn(shape) * 3, torch.randn(shape[-1]), torch.randn(shape)
+    out, got = _grads(lambda a, b: norm.rms_norm(a, b, 1e-6), [x, w], g)
+    with torch.no_grad():
+        assert_same_bits(out, norm.rms_norm(x, w, 1e-6), "forward under autograd")
+        xf = x.float()
+        spelt = w * (xf * torch.rsqrt(row_sum(xf * xf) / shape[-1] + 1e-6).unsqueeze(-1))
+        assert_same_bits(out, spelt, "the no-grad spelling")
+    _close(got, _reference_grads(_rms_ref, [x, w], g))
+
+
+def _attention_case(seed: int) -> tuple[list[Tensor], Tensor, Tensor]:
+    """GQA (4 query heads on 2 KV heads), left padding, a fully padded tail and a row starting late."""
+    torch.manual_seed(seed)
+    b, t, s, hq, hkv, d = 3, 9, 12, 4, 2, 64
+    q, k, v = torch.randn(b, t, hq, d), torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
+    pos = torch.tensor([list(range(9)), list(range(3, 12)), [-1, -1, 0, 1, 2, 3, 4, 5, -1]])
+    return [q, k, v], pos, torch.randn(b, t, hq, d)
+
+
+def test_attention_gradient_and_forward_bits() -> None:
+    (q, k, v), pos, g = _attention_case(4)
+
+    def compiled(*qkv: Tensor) -> Tensor:
+        out: Tensor = attn.CompiledBackward.apply(*qkv, pos, 0.125)
+        return out
+
+    out, got = _grads(compiled, [q, k, v], g)
+    with torch.no_grad():
+        assert_same_bits(out, attn.attention(q, k, v, pos, 0.125), "forward under autograd")
+    want = _reference_grads(lambda *qkv: attn.attention_reference(*qkv, pos, 0.125), [q, k, v], g)
+    _close(got, want)
+    assert not bool(got[0][2, :2].any() or got[0][2, -1].any()), "padding queries must get no gradient"
+
+
+def test_backward_bits_do_not_depend_on_the_thread_count() -> None:
+    (q, k, v), pos, ga = _attention_case(5)
+    cos, sin = _tables(3, 9, 64)
+    x, w, gx = torch.randn(6, 40, 512), torch.randn(512), torch.randn(6, 40, 512)
+    gate, up, gg = torch.randn(6, 40, 1536), torch.randn(6, 40, 1536), torch.randn(6, 40, 1536)
+
+    def all_grads() -> list[Tensor]:
+        out = _grads(lambda *qkv: attn.CompiledBackward.apply(*qkv, pos, 0.125), [q, k, v], ga)[1]
+        out += _grads(lambda a: elementwise.rope(a, cos, sin), [q], ga)[1]
+        out += _grads(lambda a, b: norm.rms_norm(a, b, 1e-6), [x, w], gx)[1]
+        return out + _grads(elementwise.silu_mul, [gate, up], gg)[1]
+
+    with torch_threads(1):
+        one = all_grads()
+    with torch_threads(2):
+        two = all_grads()
+    for i, (a, b) in enumerate(zip(one, two, strict=True)):
+        assert_same_bits(a, b, f"gradient {i}")
