@@ -25,76 +25,61 @@ void check_f32(const torch::Tensor& t, const char* op, const char* name) {
 
 }  // namespace
 
+// Calls body(row, cos, sin, out) for every head row [D] of in [B, T, H, D] with its token's cos/sin [D]
+// (from [B, T, D]); out is a new tensor shaped like in.
+template <typename Body>
+torch::Tensor per_head_row(const char* op, const torch::Tensor& in, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const Body& body) {
+  check_f32(in, op, "input");
+  check_f32(cos, op, "cos");
+  check_f32(sin, op, "sin");
+  TORCH_CHECK(in.dim() == 4 && cos.dim() == 3 && sin.sizes() == cos.sizes() && cos.size(0) == in.size(0) &&
+                  cos.size(1) == in.size(1) && cos.size(2) == in.size(3),
+              op, ": input [B, T, H, D] with cos/sin [B, T, D]");
+  const int64_t tokens = in.size(0) * in.size(1), heads = in.size(2), d = in.size(3);
+  auto out = torch::empty_like(in);
+  const float* src = in.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, heads * d));
+  at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t hd = 0; hd < heads; ++hd)
+        body(src + (t * heads + hd) * d, cs + t * d, sn + t * d, dst + (t * heads + hd) * d);
+  });
+  return out;
+}
+
 // x [B, T, H, D], cos/sin [B, T, D], h = D / 2 (rounded down), n = D - h:
 // out[i] = x_i cos_i - x_{i+h} sin_i (i < n) and x_i cos_i + x_{i-n} sin_i (i >= n), exactly as torch computes
 // x * cos + cat(-x[h:], x[:h]) * sin (both halves equal when D is even).
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  check_f32(x, "rope", "x");
-  check_f32(cos, "rope", "cos");
-  check_f32(sin, "rope", "sin");
-  TORCH_CHECK(x.dim() == 4 && cos.dim() == 3 && sin.sizes() == cos.sizes() && cos.size(0) == x.size(0) &&
-                  cos.size(1) == x.size(1) && cos.size(2) == x.size(3),
-              "rope: x [B, T, H, D] with cos/sin [B, T, D]");
-  const int64_t tokens = x.size(0) * x.size(1), heads = x.size(2), d = x.size(3), h = d / 2, n = d - h;
-  auto out = torch::empty_like(x);
-  const float* xs = x.data_ptr<float>();
-  const float* cs = cos.data_ptr<float>();
-  const float* sn = sin.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, heads * d));
-  at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* c = cs + t * d;
-      const float* s = sn + t * d;
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        const float* xr = xs + (t * heads + hd) * d;
-        float* orow = o + (t * heads + hd) * d;
-        for (int64_t i = 0; i < n; ++i) {
-          const float a = xr[i] * c[i];
-          const float b = -xr[i + h] * s[i];
-          orow[i] = a + b;
-        }
-        for (int64_t i = n; i < d; ++i) {
-          const float a = xr[i] * c[i];
-          const float b = xr[i - n] * s[i];
-          orow[i] = a + b;
-        }
-      }
+  const int64_t d = x.dim() == 4 ? x.size(3) : 0, h = d / 2, n = d - h;
+  return per_head_row("rope", x, cos, sin, [=](const float* xr, const float* c, const float* s, float* o) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float a = xr[i] * c[i];
+      const float b = -xr[i + h] * s[i];
+      o[i] = a + b;
+    }
+    for (int64_t i = n; i < d; ++i) {
+      const float a = xr[i] * c[i];
+      const float b = xr[i - n] * s[i];
+      o[i] = a + b;
     }
   });
-  return out;
 }
 
 // The gradient of rope with respect to x: dx_j = g_j cos_j, then dx_{i+h} -= g_i sin_i (i < n) and
 // dx_{i-n} += g_i sin_i (i >= n).
 torch::Tensor rope_backward(const torch::Tensor& grad, const torch::Tensor& cos, const torch::Tensor& sin) {
-  check_f32(grad, "rope_backward", "grad");
-  check_f32(cos, "rope_backward", "cos");
-  check_f32(sin, "rope_backward", "sin");
-  TORCH_CHECK(grad.dim() == 4 && cos.dim() == 3 && sin.sizes() == cos.sizes() && cos.size(0) == grad.size(0) &&
-                  cos.size(1) == grad.size(1) && cos.size(2) == grad.size(3),
-              "rope_backward: grad [B, T, H, D] with cos/sin [B, T, D]");
-  const int64_t tokens = grad.size(0) * grad.size(1), heads = grad.size(2), d = grad.size(3), h = d / 2, n = d - h;
-  auto dx = torch::empty_like(grad);
-  const float* g = grad.data_ptr<float>();
-  const float* cs = cos.data_ptr<float>();
-  const float* sn = sin.data_ptr<float>();
-  float* o = dx.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, heads * d));
-  at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* c = cs + t * d;
-      const float* s = sn + t * d;
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        const float* gr = g + (t * heads + hd) * d;
-        float* orow = o + (t * heads + hd) * d;
-        for (int64_t j = 0; j < d; ++j) orow[j] = gr[j] * c[j];
-        for (int64_t i = 0; i < n; ++i) orow[i + h] -= gr[i] * s[i];
-        for (int64_t i = n; i < d; ++i) orow[i - n] += gr[i] * s[i];
-      }
-    }
-  });
-  return dx;
+  const int64_t d = grad.dim() == 4 ? grad.size(3) : 0, h = d / 2, n = d - h;
+  return per_head_row("rope_backward", grad, cos, sin,
+                      [=](const float* g, const float* c, const float* s, float* o) {
+                        for (int64_t j = 0; j < d; ++j) o[j] = g[j] * c[j];
+                        for (int64_t i = 0; i < n; ++i) o[i + h] -= g[i] * s[i];
+                        for (int64_t i = n; i < d; ++i) o[i - n] += g[i] * s[i];
+                      });
 }
 
 // out = silu(g) * u with silu(g) = g / denom, denom = 1 + exp(-g) (kept by the forward). With s = 1 / denom:
