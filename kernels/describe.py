@@ -31,7 +31,11 @@ def _attention_record(backend: str) -> dict[str, Any]:
 
     common = {"accumulate": "fp32", "backward": "recompute_reference_fp32"}
     if backend != "triton" and not torch.cuda.is_available():  # the compiled kernel
-        common["backward"] = "cpp_per_kv_head_recompute_softmax"
+        # fp32 operands: the compiled backward; bf16 (trainer.precision=bf16) keeps the recompute
+        common["backward"] = {
+            "fp32": "cpp_per_kv_head_recompute_softmax",
+            "other": "recompute_reference_fp32",
+        }
         return {
             "impl": "cpp_row_two_pass_softmax",
             "visible": "slots_0_to_position_only",

@@ -125,6 +125,6 @@ class _SiluMul(torch.autograd.Function):
         g, u, denom = ctx.saved_tensors
         with widened():
             dg, du = cpu_native.module().silu_mul_backward(
-                grad.contiguous(), g.contiguous(), u.contiguous(), denom
+                grad.contiguous(), g.contiguous(), u.contiguous(), denom.contiguous()
             )
         return dg, du

@@ -23,7 +23,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
     With autograd on fp32 CPU operands the backward is the compiled one (the forward is unchanged).
     """
-    if needs_grad(x, weight) and native(x, weight):
+    if needs_grad(x, weight) and native(x, weight) and x.shape[-1] > 0:
         out: Tensor = _RMSNorm.apply(x, weight, eps)
         return out
     xf = x.float()

@@ -267,8 +267,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t s = k.size(1), hkv = k.size(2);
   TORCH_CHECK(hkv > 0 && hq % hkv == 0 && k.size(3) == d && v.sizes() == k.sizes() && rows.dim() == 1 &&
-                  rows.size(0) == b,
-              "attention: shapes");
+                  rows.size(0) == b && q_pos.size(0) == b && q_pos.size(1) == t,
+              "attention: shapes (q_pos must be [B, T])");
   const int64_t* row = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < b; ++i)
     TORCH_CHECK(row[i] >= 0 && row[i] < k.size(0), "attention: cache row ", row[i], " outside 0..", k.size(0) - 1);
@@ -420,8 +420,9 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& q, const torc
   TORCH_CHECK(q_pos.scalar_type() == at::kLong && q_pos.is_contiguous(), "attention_backward: int64 positions");
   const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t s = k.size(1), hkv = k.size(2);
-  TORCH_CHECK(k.size(0) == b && hkv > 0 && hq % hkv == 0 && k.size(3) == d && v.sizes() == k.sizes(),
-              "attention_backward: shapes");
+  TORCH_CHECK(k.size(0) == b && hkv > 0 && hq % hkv == 0 && k.size(3) == d && v.sizes() == k.sizes() &&
+                  q_pos.size(0) == b && q_pos.size(1) == t,
+              "attention_backward: shapes (q_pos must be [B, T])");
   const int64_t* pos = q_pos.data_ptr<int64_t>();
   for (int64_t i = 0; i < b * t; ++i)
     TORCH_CHECK(pos[i] < s, "attention_backward: position ", pos[i], " outside the keys (", s, ")");

@@ -94,17 +94,18 @@ def test_rms_norm_gradient_and_forward_bits(shape: tuple[int, ...]) -> None:
     _close(got, _reference_grads(_rms_ref, [x, w], g))
 
 
-def _attention_case(seed: int) -> tuple[list[Tensor], Tensor, Tensor]:
-    """GQA (4 query heads on 2 KV heads), left padding, a fully padded tail and a row starting late."""
+def _attention_case(seed: int, hq: int = 4, d: int = 64) -> tuple[list[Tensor], Tensor, Tensor]:
+    """GQA (``hq`` query heads on 2 KV heads), left padding, a fully padded tail and a row starting late."""
     torch.manual_seed(seed)
-    b, t, s, hq, hkv, d = 3, 9, 12, 4, 2, 64
+    b, t, s, hkv = 3, 9, 12, 2
     q, k, v = torch.randn(b, t, hq, d), torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
     pos = torch.tensor([list(range(9)), list(range(3, 12)), [-1, -1, 0, 1, 2, 3, 4, 5, -1]])
     return [q, k, v], pos, torch.randn(b, t, hq, d)
 
 
-def test_attention_gradient_and_forward_bits() -> None:
-    (q, k, v), pos, g = _attention_case(4)
+@pytest.mark.parametrize(("hq", "d"), [(4, 64), (6, 36), (2, 3)])  # d: whole 8-lane blocks, a tail, no block
+def test_attention_gradient_and_forward_bits(hq: int, d: int) -> None:
+    (q, k, v), pos, g = _attention_case(4, hq, d)
 
     def compiled(*qkv: Tensor) -> Tensor:
         out: Tensor = attn.CompiledBackward.apply(*qkv, pos, 0.125)
@@ -118,15 +119,35 @@ def test_attention_gradient_and_forward_bits() -> None:
     assert not bool(got[0][2, :2].any() or got[0][2, -1].any()), "padding queries must get no gradient"
 
 
+def test_the_invariant_ops_train_through_the_compiled_attention_backward() -> None:
+    from rlfw.kernels.invariant import InvariantOps
+
+    (q, k, v), pos, _ = _attention_case(6)
+    out = InvariantOps("torch").attention(q.requires_grad_(), k, v, pos, 0.125)
+    assert type(out.grad_fn).__name__ == "CompiledBackwardBackward"
+
+
+def test_silu_mul_gradient_of_a_transposed_gate() -> None:
+    torch.manual_seed(7)
+    gate, up, g = torch.randn(40, 30).t(), torch.randn(30, 40), torch.randn(30, 40)
+    _close(
+        _grads(elementwise.silu_mul, [gate, up], g)[1],
+        _reference_grads(lambda a, b: a * torch.sigmoid(a) * b, [gate, up], g),
+    )
+
+
 def test_backward_bits_do_not_depend_on_the_thread_count() -> None:
+    # Sizes are chosen so that every kernel's work spans several parallel chunks (RoPE: 64 tokens of
+    # 4 x 64 per chunk, RMSNorm: 32 rows, SiLU-mul: 16384 elements, attention: one (batch, KV head) each).
     (q, k, v), pos, ga = _attention_case(5)
-    cos, sin = _tables(3, 9, 64)
+    cos, sin = _tables(8, 40, 64)
+    xr, gr = torch.randn(8, 40, 4, 64), torch.randn(8, 40, 4, 64)
     x, w, gx = torch.randn(6, 40, 512), torch.randn(512), torch.randn(6, 40, 512)
     gate, up, gg = torch.randn(6, 40, 1536), torch.randn(6, 40, 1536), torch.randn(6, 40, 1536)
 
     def all_grads() -> list[Tensor]:
         out = _grads(lambda *qkv: attn.CompiledBackward.apply(*qkv, pos, 0.125), [q, k, v], ga)[1]
-        out += _grads(lambda a: elementwise.rope(a, cos, sin), [q], ga)[1]
+        out += _grads(lambda a: elementwise.rope(a, cos, sin), [xr], gr)[1]
         out += _grads(lambda a, b: norm.rms_norm(a, b, 1e-6), [x, w], gx)[1]
         return out + _grads(elementwise.silu_mul, [gate, up], gg)[1]
 
