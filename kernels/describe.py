@@ -29,7 +29,7 @@ def _linear_record(backend: str) -> dict[str, Any]:
 def _attention_record(backend: str) -> dict[str, Any]:
     from rlfw.kernels import triton_config as tc
 
-    common = {"accumulate": "fp32", "backward": "recompute_reference_fp32"}
+    common: dict[str, Any] = {"accumulate": "fp32", "backward": "recompute_reference_fp32"}
     if backend != "triton" and not torch.cuda.is_available():  # the compiled kernel
         # fp32 operands: the compiled backward; bf16 (trainer.precision=bf16) keeps the recompute
         common["backward"] = {
