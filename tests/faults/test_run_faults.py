@@ -107,9 +107,11 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit_cleanly(
 
 @pytest.mark.slow
 def test_a_diverging_run_skips_its_updates_and_stops_with_the_fix(root: Path) -> None:
-    """``trainer.lr=1e3``: after the first update the gradients are no longer finite; those updates are
-    skipped (said in the log and in each step's row) and the third in a row stops the run, exit 1."""
-    run = run_train(root, "diverge", *SMALL, "trainer.lr=1e3", "trainer.steps=12")
+    """``trainer.lr=1e38``: the first update takes the weights near fp32's largest value, the forward
+    overflows and the gradients are no longer finite; those updates are skipped (said in the log and in
+    each step's row) and the third in a row stops the run, exit 1. (At ``lr=1e3`` the model collapses
+    to a uniform output instead, whose gradients are exactly zero: finite, so nothing to skip.)"""
+    run = run_train(root, "diverge", *SMALL, "trainer.lr=1e38", "trainer.steps=12")
     assert run.returncode == 1, run.log[-3000:]
     assert "steps in a row had non-finite gradients" in run.log and "lower trainer.lr" in run.log
     rows = run.metrics()

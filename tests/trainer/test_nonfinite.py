@@ -1,7 +1,7 @@
 """Non-finite gradients: the DeepSpeed step is skipped (the weights stay as they were, at every ZeRO
 stage and precision), the step says so, and a run that keeps diverging stops with a line that says why.
 
-If one of these breaks, a diverging run (``trainer.lr=1e3``) writes NaN into the weights, logs
+If one of these breaks, a diverging run (``trainer.lr=1e38``) writes NaN into the weights, logs
 ``grad_norm`` null from then on and exits 0 as if it had trained.
 """
 
