@@ -39,16 +39,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @contextmanager
 def autograd_path() -> Iterator[None]:
-    """Route the trainer's elementwise ops and attention through torch's autograd ops while inside."""
-    from rlfw.kernels import attention, elementwise, norm
+    """Route the trainer's elementwise ops and attention through torch's autograd ops while inside (the
+    wrappers ask ``cpu_native.serves`` whether the compiled kernels take their operands)."""
+    from rlfw.kernels import cpu_native
 
-    saved = elementwise.native, norm.native, attention.compiled_backward_applies
-    elementwise.native = norm.native = lambda *_: False  # type: ignore[assignment]
-    attention.compiled_backward_applies = lambda *_: False  # type: ignore[assignment]
+    saved = cpu_native.serves
+    cpu_native.serves = lambda *_: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        elementwise.native, norm.native, attention.compiled_backward_applies = saved
+        cpu_native.serves = saved  # type: ignore[assignment]
 
 
 def setup(folder: Path) -> Callable[[], None]:

@@ -259,11 +259,6 @@ class CompiledBackward(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def compiled_backward_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether :class:`CompiledBackward` serves a training call: fp32 operands on CPU."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k, v))
-
-
 def paged_attention(
     q: Tensor, kv_cache: Tensor, seq: Tensor, q_pos: Tensor, block_table: Tensor, scale: float
 ) -> Tensor:

@@ -89,6 +89,12 @@ class _Recompute(torch.autograd.Function):
         return (None, None, *[next(grads) if w else None for w in wants])
 
 
+def needs_grad(*args: Any) -> bool:
+    """Whether a call on ``args`` is recorded by autograd: grad mode on and a tensor among them requiring
+    grad (non-tensor arguments are ignored)."""
+    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+
+
 def recompute_backward(
     forward_fn: Callable[..., Tensor], reference_fn: Callable[..., Tensor], *args: Any
 ) -> Tensor:
@@ -96,8 +102,7 @@ def recompute_backward(
 
     Without grad mode (scoring, engine) this is a plain call, so the wrapper cannot change any bits.
     """
-    needs_grad = torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
-    if not needs_grad:
+    if not needs_grad(*args):
         return forward_fn(*args)
     out: Tensor = _Recompute.apply(forward_fn, reference_fn, *args)
     return out

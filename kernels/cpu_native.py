@@ -33,6 +33,13 @@ LDFLAGS = ("-fopenmp",)  # tuples: torch appends to the lists it is given
 NAME = "rlfw_cpu_kernels"
 
 
+def serves(*tensors: Any) -> bool:
+    """Whether the compiled kernels take these operands as they are: fp32 tensors on CPU."""
+    import torch
+
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
 def build_key() -> str:
     """What the compiled module depends on: the sources' contents, the flags and the torch version."""
     import torch

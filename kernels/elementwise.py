@@ -21,16 +21,8 @@ import torch
 from torch import Tensor
 
 from rlfw.kernels import cpu_native
+from rlfw.kernels.autograd import needs_grad
 from rlfw.kernels.threads import widened
-
-
-def native(*tensors: Tensor) -> bool:
-    """Whether the compiled elementwise kernels serve these operands: fp32 tensors on CPU."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-
-
-def needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -47,7 +39,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x.dim() != 4
         or cos.dim() != 3
         or cos.shape[-1] != x.shape[-1]
-        or not native(cos, sin)
+        or not cpu_native.serves(cos, sin)
         or x.device.type != "cpu"
     ):
         return rope_reference(x, cos, sin)
@@ -57,19 +49,22 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             return rope_reference(x, cos, sin)
         out: Tensor = _Rope.apply(x, cos, sin)
         return out
-    xf = (x if x.dtype == torch.float32 else x.float()).contiguous()
-    with widened():
-        out = cpu_native.module().rope(xf, cos, sin)
+    out = _compiled_rope(x if x.dtype == torch.float32 else x.float(), cos, sin)
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _compiled_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The compiled RoPE on fp32 ``x`` and contiguous ``[B, T, D]`` tables."""
+    with widened():
+        out: Tensor = cpu_native.module().rope(x.contiguous(), cos, sin)
+    return out
 
 
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ctx.save_for_backward(cos, sin)
-        with widened():
-            out: Tensor = cpu_native.module().rope(x.contiguous(), cos, sin)
-        return out
+        return _compiled_rope(x, cos, sin)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
@@ -100,14 +95,19 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     g = gate if gate.dtype == torch.float32 else gate.float()
     u = up if up.dtype == torch.float32 else up.float()
     if needs_grad(g, u):
-        if native(gate, up):
+        if cpu_native.serves(gate, up):
             fused: Tensor = _SiluMul.apply(g, u)
             return fused
         out = silu(g) * u
     else:
-        denom = torch.neg(g).exp_().add_(1.0)
+        denom = _one_plus_exp_neg(g)
         out = torch.div(g, denom, out=denom).mul_(u)
     return out if out.dtype == gate.dtype else out.to(gate.dtype)
+
+
+def _one_plus_exp_neg(g: Tensor) -> Tensor:
+    """``1 + exp(-g)`` in a new buffer, in place after the negation (:func:`silu`'s denominator)."""
+    return torch.neg(g).exp_().add_(1.0)
 
 
 class _SiluMul(torch.autograd.Function):
@@ -116,7 +116,7 @@ class _SiluMul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, g: Tensor, u: Tensor) -> Tensor:
-        denom = torch.neg(g).exp_().add_(1.0)
+        denom = _one_plus_exp_neg(g)
         ctx.save_for_backward(g, u, denom)
         return torch.div(g, denom).mul_(u)
 

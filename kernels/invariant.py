@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from rlfw.kernels import attention as attn
-from rlfw.kernels import elementwise, matmul, norm, router, softmax
-from rlfw.kernels.autograd import InvariantLinear, recompute_backward
+from rlfw.kernels import cpu_native, elementwise, matmul, norm, router, softmax
+from rlfw.kernels.autograd import InvariantLinear, needs_grad, recompute_backward
 
 BACKENDS = ("auto", "torch", "triton", "vllm")
 
@@ -80,7 +80,7 @@ class InvariantOps:
             self._token_logp = softmax.token_logp
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        if not needs_grad(x, weight):
             return self._linear(x, weight)  # the forward of InvariantLinear, without its bookkeeping
         out: Tensor = InvariantLinear.apply(x, weight, self._linear)
         return out
@@ -111,8 +111,8 @@ class InvariantOps:
         if rows is not None and self.backend == "torch":  # the engine's cache, read in place
             return attn.attention(q, k_cache, v_cache, q_pos, scale, rows)
         k_cache, v_cache = attn.take_rows(k_cache, v_cache, rows, q_pos)
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache))
-        if needs_grad and self.backend == "torch" and attn.compiled_backward_applies(q, k_cache, v_cache):
+        training = needs_grad(q, k_cache, v_cache)
+        if training and self.backend == "torch" and cpu_native.serves(q, k_cache, v_cache):
             out: Tensor = attn.CompiledBackward.apply(q, k_cache, v_cache, q_pos, scale)
             return out
         return recompute_backward(

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from rlfw.kernels import cpu_native
-from rlfw.kernels.elementwise import native, needs_grad
+from rlfw.kernels.autograd import needs_grad
 from rlfw.kernels.reduce import row_sum
 from rlfw.kernels.threads import widened
 
@@ -23,12 +23,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
     With autograd on fp32 CPU operands the backward is the compiled one (the forward is unchanged).
     """
-    if needs_grad(x, weight) and native(x, weight) and x.shape[-1] > 0:
+    if needs_grad(x, weight) and cpu_native.serves(x, weight) and x.shape[-1] > 0:
         out: Tensor = _RMSNorm.apply(x, weight, eps)
         return out
     xf = x.float()
-    mean_sq = row_sum(xf * xf) / x.shape[-1]
-    normed = xf * torch.rsqrt(mean_sq + eps).unsqueeze(-1)
+    normed = xf * inverse_rms(xf, eps).unsqueeze(-1)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     if out_dtype == torch.float32:
         return weight * normed.to(x.dtype)
@@ -38,12 +37,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (weight.float() * normed.to(x.dtype).float()).to(out_dtype)
 
 
+def inverse_rms(xf: Tensor, eps: float) -> Tensor:
+    """``1 / sqrt(mean(xf^2) + eps)`` per row of fp32 ``xf``, the mean a :func:`row_sum` divided by the
+    row length."""
+    return torch.rsqrt(row_sum(xf * xf) / xf.shape[-1] + eps)
+
+
 class _RMSNorm(torch.autograd.Function):
     """fp32 :func:`rms_norm` (the same operations) keeping each row's ``rsqrt`` for the compiled backward."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        r = torch.rsqrt(row_sum(x * x) / x.shape[-1] + eps)
+        r = inverse_rms(x, eps)
         ctx.save_for_backward(x, r, weight)
         return weight * (x * r.unsqueeze(-1))
 
