@@ -21,12 +21,18 @@
 #else
 #define RLFW_AVX2 0
 #endif
+#if RLFW_AVX2 && defined(__AVX512F__)
+#define RLFW_AVX512 1  // 16-lane register blocks; the same fma chains, so the same bits
+#else
+#define RLFW_AVX512 0
+#endif
 
 namespace {
 
 constexpr int64_t kPanel = 16;  // output features per packed weight panel (two 8-lane vectors)
 constexpr int64_t kRows = 6;    // rows per register block
 constexpr int64_t kBlockBytes = 256 * 1024;  // rows of x per cache block (see linear())
+constexpr int64_t kGroupBytes = 512 * 1024;  // weight panels per L2-resident group (see group_rows())
 
 // w [N, K] -> panels [ceil(N / 16)][K][16], zero past N (those lanes are computed, never stored).
 void pack_into(const float* w, int64_t n, int64_t k, float* out) {
@@ -55,6 +61,7 @@ void pack_transposed_into(const float* wt, int64_t k, int64_t n, float* out) {
 }
 
 #if RLFW_AVX2
+#if !RLFW_AVX512
 // R rows x P panels (16 P output features): 2 R P accumulators, each one element's fma chain over k.
 template <int R, int P>
 void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols) {
@@ -96,6 +103,7 @@ void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy,
     for (int j = 0; j < 2 * P; ++j) _mm256_store_ps(tmp[r] + j * 8, acc[r][j]);
   for (int r = 0; r < R; ++r) std::copy(tmp[r], tmp[r] + cols, y + r * ldy);
 }
+#endif
 
 // Few rows (decode): no weight packing. x is transposed to xt [K][16] (rows as lanes, zero past M) and
 // each weight row is read as it lies; every element is still fma(x[r, k], w[c, k], acc) over k ascending
@@ -141,9 +149,59 @@ void few_rows(const float* x, int64_t m, int64_t k, const float* w, float* y, in
   }
 }
 
-// Rows r .. m-1 of x against panels p0 .. p1-1 of the packed weight. Six rows per block with one
-// panel; the 1-5 rows left (a decode batch's tail, or all of a small one) take several panels per block
-// so that a block still has 8-12 independent chains.
+#if RLFW_AVX512
+// The 16-lane block: one vector per panel row, R rows x P panels = R P accumulators (32 registers hold
+// up to 24 chains and the P weight vectors), half the loads per fma of the 8-lane block. Each element is
+// the same fma chain as in block() and the portable loop.
+template <int R, int P>
+void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols) {
+  __m512 acc[R][P];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t stride = k * kPanel;  // between consecutive panels
+  for (int64_t i = 0; i < k; ++i) {
+    __m512 w[P];
+#pragma GCC unroll 8
+    for (int j = 0; j < P; ++j) w[j] = _mm512_loadu_ps(panel + j * stride + i * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * k + i]);
+#pragma GCC unroll 8
+      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_fmadd_ps(xb, w[j], acc[r][j]);
+    }
+  }
+  alignas(64) float tmp[R][P * kPanel];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < P; ++j) _mm512_store_ps(tmp[r] + j * kPanel, acc[r][j]);
+  for (int r = 0; r < R; ++r) std::copy(tmp[r], tmp[r] + cols, y + r * ldy);
+}
+
+// Register blocks: six rows by four panels (64 output features); the 1-5 rows left take 4-8 panels.
+constexpr int64_t kMainPanels = 4;
+#define RLFW_TAIL_BLOCKS(TAIL) \
+  TAIL(5, 4)                    \
+  TAIL(4, 4)                    \
+  TAIL(3, 6)                    \
+  TAIL(2, 8)                    \
+  TAIL(1, 8)
+#else
+// Register blocks (16 registers): six rows by one panel; the 1-5 rows left (a decode batch's tail, or all
+// of a small one) take several panels per block so that a block still has 8-12 independent chains.
+constexpr int64_t kMainPanels = 1;
+#define RLFW_TAIL_BLOCKS(TAIL) \
+  TAIL(5, 1)                    \
+  TAIL(4, 1)                    \
+  TAIL(3, 2)                    \
+  TAIL(2, 3)                    \
+  TAIL(1, 4)
+#endif
+
+// Rows of x against panels p0 .. p1-1 of the packed weight, R rows and P panels per register block (the
+// panels left over one at a time).
 template <int R, int P>
 void rows_by_panels(const float* x, int64_t k, const float* packed, float* y, int64_t n, int64_t p0, int64_t p1) {
   int64_t p = p0;
@@ -153,20 +211,30 @@ void rows_by_panels(const float* x, int64_t k, const float* packed, float* y, in
     block<R, 1>(x, k, packed + p * k * kPanel, y + p * kPanel, n, std::min(kPanel, n - p * kPanel));
 }
 
-void panel_rows(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n, int64_t p0,
+// Rows 0 .. m-1 against a group of panels p0 .. p1-1 that stays in L2: every row block passes over the
+// group before the next group is read, so each panel comes from memory once per call rather than once
+// per row block (an engine's weights do not stay in the last-level cache from one step to the next).
+void group_rows(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n, int64_t p0,
                 int64_t p1) {
   int64_t r = 0;
-  for (; r + kRows <= m; r += kRows) rows_by_panels<kRows, 1>(x + r * k, k, packed, y + r * n, n, p0, p1);
+  for (; r + kRows <= m; r += kRows)
+    rows_by_panels<kRows, kMainPanels>(x + r * k, k, packed, y + r * n, n, p0, p1);
   const float* xr = x + r * k;
   float* yr = y + r * n;
   switch (m - r) {
-    case 5: rows_by_panels<5, 1>(xr, k, packed, yr, n, p0, p1); break;
-    case 4: rows_by_panels<4, 1>(xr, k, packed, yr, n, p0, p1); break;
-    case 3: rows_by_panels<3, 2>(xr, k, packed, yr, n, p0, p1); break;
-    case 2: rows_by_panels<2, 3>(xr, k, packed, yr, n, p0, p1); break;
-    case 1: rows_by_panels<1, 4>(xr, k, packed, yr, n, p0, p1); break;
+#define RLFW_TAIL(R, P) \
+  case R: rows_by_panels<R, P>(xr, k, packed, yr, n, p0, p1); break;
+    RLFW_TAIL_BLOCKS(RLFW_TAIL)
+#undef RLFW_TAIL
     default: break;
   }
+}
+
+void panel_rows(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n, int64_t p0,
+                int64_t p1) {
+  const int64_t fit = kGroupBytes / (k * kPanel * static_cast<int64_t>(sizeof(float)));
+  const int64_t group = std::max(kMainPanels, fit / kMainPanels * kMainPanels);
+  for (int64_t g0 = p0; g0 < p1; g0 += group) group_rows(x, m, k, packed, y, n, g0, std::min(p1, g0 + group));
 }
 #else
 void panel_rows(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n, int64_t p0,

@@ -5,6 +5,7 @@ If a change breaks one of these tests, trainer and engine log-probs stop being b
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,3 +116,39 @@ def test_gradients_do_not_depend_on_the_thread_count_or_on_lent_threads(inv: Inv
     for name, a, b, c in zip(("dx", "dW"), *results, strict=True):
         assert_same_bits(a, b, f"{name}: 1 thread vs widened to 4")
         assert_same_bits(a, c, f"{name}: 1 vs 4 own threads")
+
+
+def _fma_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``y[m, n]``: fp32 fma over k ascending from +0, as the kernel's comment states it. A product of two
+    floats is exact in a double, so each step is one rounding of the double sum to fp32 (the double sum
+    itself can round only when the addends' exponents are far apart; these inputs' are not)."""
+    xs, ws = x.double().numpy(), w.double().numpy()
+    acc = np.zeros((x.shape[0], w.shape[0]), dtype=np.float32)
+    for i in range(x.shape[1]):
+        acc = (xs[:, i, None] * ws[None, :, i] + acc.astype(np.float64)).astype(np.float32)
+    return torch.from_numpy(acc)
+
+
+@pytest.mark.parametrize("k", [1, 7, 37, 1000])  # 1000: several panel groups at n=129
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_register_block_computes_the_documented_fma_chain(k: int, threads: int) -> None:
+    """Every path of the compiled linear (packed panels; the weight read in place for a few rows; packed
+    per call; the transposed weight) and every register block shape (rows 1-13 and 70 cover the main
+    block and each tail; widths cover whole and partial panels and groups) gives the bits of the fp32
+    fma chain itself. So the 8-lane, 16-lane and portable builds agree with each other, whichever this
+    machine compiled."""
+    from rlfw.kernels import cpu_native
+
+    mod = cpu_native.module()
+    g = torch.Generator().manual_seed(k)
+    with torch_threads(threads):
+        for n in (1, 15, 16, 17, 63, 65, 129):
+            w = torch.randn(n, k, generator=g)
+            packed = mod.pack(w)
+            for m in (*range(1, 14), 70):
+                x = torch.randn(m, k, generator=g)
+                want = _fma_chain(x, w)
+                where = f"m={m} k={k} n={n}"
+                assert_same_bits(mod.linear_packed(x, packed, n), want, f"packed {where}")
+                assert_same_bits(mod.linear(x, w), want, f"in place / packed per call {where}")
+                assert_same_bits(mod.linear_t(x, w.t().contiguous()), want, f"transposed {where}")
