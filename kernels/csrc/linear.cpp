@@ -1,8 +1,8 @@
 // Batch-invariant fp32 linear for CPUs: y[m, n] = sum_k x[m, k] * w[n, k], one fixed order per element.
 //
 // Every output element is one fma chain over k ascending, starting from +0: y = fma(x[k], w[n, k], y).
-// fma rounds once and is exactly specified, so the AVX2 path, its masked tails and the portable loop give
-// the same bits; blocking (rows, columns, threads) only decides which elements are computed together.
+// fma rounds once and is exactly specified, so the AVX-512 and AVX2 paths, their tails and the portable
+// loop give the same bits; blocking (rows, columns, threads) only decides which elements are computed together.
 // No padding, no K tiles, no dependence on a BLAS library's shape-specific paths.
 //
 // A weight that serves many calls (an engine's, between weight updates) can be packed once (pack) and
@@ -29,7 +29,7 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // output features per packed weight panel (two 8-lane vectors)
+constexpr int64_t kPanel = 16;  // output features per packed weight panel (two 8-lane or one 16-lane vector)
 constexpr int64_t kRows = 6;    // rows per register block
 constexpr int64_t kBlockBytes = 256 * 1024;  // rows of x per cache block (see linear())
 constexpr int64_t kGroupBytes = 512 * 1024;  // weight panels per L2-resident group (see group_rows())
@@ -61,7 +61,37 @@ void pack_transposed_into(const float* wt, int64_t k, int64_t n, float* out) {
 }
 
 #if RLFW_AVX2
-#if !RLFW_AVX512
+#if RLFW_AVX512
+// The 16-lane block: one vector per panel row, R rows x P panels = R P accumulators (32 registers hold
+// up to 24 chains and the P weight vectors), half the loads per fma of the 8-lane block below. Each
+// element is the same fma chain as there and in the portable loop.
+template <int R, int P>
+void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols) {
+  __m512 acc[R][P];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t stride = k * kPanel;  // between consecutive panels
+  for (int64_t i = 0; i < k; ++i) {
+    __m512 w[P];
+#pragma GCC unroll 8
+    for (int j = 0; j < P; ++j) w[j] = _mm512_loadu_ps(panel + j * stride + i * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * k + i]);
+#pragma GCC unroll 8
+      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_fmadd_ps(xb, w[j], acc[r][j]);
+    }
+  }
+  alignas(64) float tmp[R][P * kPanel];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < P; ++j) _mm512_store_ps(tmp[r] + j * kPanel, acc[r][j]);
+  for (int r = 0; r < R; ++r) std::copy(tmp[r], tmp[r] + cols, y + r * ldy);
+}
+#else
 // R rows x P panels (16 P output features): 2 R P accumulators, each one element's fma chain over k.
 template <int R, int P>
 void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols) {
@@ -150,36 +180,6 @@ void few_rows(const float* x, int64_t m, int64_t k, const float* w, float* y, in
 }
 
 #if RLFW_AVX512
-// The 16-lane block: one vector per panel row, R rows x P panels = R P accumulators (32 registers hold
-// up to 24 chains and the P weight vectors), half the loads per fma of the 8-lane block. Each element is
-// the same fma chain as in block() and the portable loop.
-template <int R, int P>
-void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols) {
-  __m512 acc[R][P];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t stride = k * kPanel;  // between consecutive panels
-  for (int64_t i = 0; i < k; ++i) {
-    __m512 w[P];
-#pragma GCC unroll 8
-    for (int j = 0; j < P; ++j) w[j] = _mm512_loadu_ps(panel + j * stride + i * kPanel);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * k + i]);
-#pragma GCC unroll 8
-      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_fmadd_ps(xb, w[j], acc[r][j]);
-    }
-  }
-  alignas(64) float tmp[R][P * kPanel];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < P; ++j) _mm512_store_ps(tmp[r] + j * kPanel, acc[r][j]);
-  for (int r = 0; r < R; ++r) std::copy(tmp[r], tmp[r] + cols, y + r * ldy);
-}
-
 // Register blocks: six rows by four panels (64 output features); the 1-5 rows left take 4-8 panels.
 constexpr int64_t kMainPanels = 4;
 #define RLFW_TAIL_BLOCKS(TAIL) \

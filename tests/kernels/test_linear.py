@@ -120,8 +120,9 @@ def test_gradients_do_not_depend_on_the_thread_count_or_on_lent_threads(inv: Inv
 
 def _fma_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``y[m, n]``: fp32 fma over k ascending from +0, as the kernel's comment states it. A product of two
-    floats is exact in a double, so each step is one rounding of the double sum to fp32 (the double sum
-    itself can round only when the addends' exponents are far apart; these inputs' are not)."""
+    floats is exact in a double; the double sum may round, and rounding it again to fp32 differs from the
+    fma's single rounding only when the first rounding lands exactly halfway between two floats (about
+    one step in 2^29), which these fixed inputs never hit (the test would say so)."""
     xs, ws = x.double().numpy(), w.double().numpy()
     acc = np.zeros((x.shape[0], w.shape[0]), dtype=np.float32)
     for i in range(x.shape[1]):
