@@ -129,7 +129,8 @@ class TrainerConfig:
     """The DeepSpeed trainer."""
 
     num_ranks: int = 1  # data-parallel trainer ranks in the trainer pool
-    zero_stage: int = 1  # DeepSpeed ZeRO stage: 0 | 1 | 2 | 3 (stage 0 reports grad_norm on one rank only)
+    zero_stage: int | None = None  # DeepSpeed ZeRO stage: 0 | 1 | 2 | 3; null: 0 on one rank (nothing to
+    # partition), 1 on more, a resumed run keeps its checkpoint's (stage 0 reports grad_norm on one rank only)
     precision: str = "fp32"  # training precision: fp32 | bf16
     lr: float = 1e-3  # peak learning rate
     lr_schedule: str = "constant"  # constant | cosine
@@ -144,7 +145,8 @@ class TrainerConfig:
     cpu_threads: int = 1  # CPU threads per trainer rank; 0 = every core of its node
 
     def __post_init__(self) -> None:
-        check_choice("trainer.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        if self.zero_stage is not None:
+            check_choice("trainer.zero_stage", self.zero_stage, (0, 1, 2, 3))
         check_choice("trainer.precision", self.precision, ("fp32", "bf16"))
         check_choice("trainer.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         check_range("trainer.num_ranks", self.num_ranks, lo=1)

@@ -27,11 +27,12 @@ from rlfw.distributed.groups import RolloutGroup, TrainerGroup, TrainerRankDied
 from rlfw.distributed.weight_sync import make_sync
 from rlfw.logging.logger import RunLogger
 from rlfw.train.async_loop import async_steps
-from rlfw.train.checkpoint import CheckpointFailed, EngineWeights, restore
+from rlfw.train.checkpoint import CheckpointFailed, EngineWeights, checkpoint_folder, restore
 from rlfw.train.phases import Driver, StalledRun
 from rlfw.train.setup import build_setup, optim_config, settle_environment, step_spec
 from rlfw.train.state import STATE_FILE, RunState, make_run_dir, read_state
 from rlfw.train.sync_loop import sync_steps
+from rlfw.trainer.deepspeed_backend import saved_zero_stage
 
 log = logging.getLogger("rlfw.train")
 
@@ -49,6 +50,9 @@ def train(run: RunConfig) -> int:
     try:  # the checks: a run that fails them leaves no folder behind
         (run_dir / "config.yaml").write_text(to_yaml(run))
         setup = build_setup(run, run_dir)
+        saved = saved_zero_stage(checkpoint_folder(run_dir, read_state(run_dir))) if folder.resuming else None
+        optim = optim_config(run, saved)
+        log.info("trainer: DeepSpeed ZeRO stage %d", optim.zero_stage)
         init_ray(run.engine.num_actors, run.trainer.num_ranks, run.ray_address)
         rollout_pool = make_pool(ROLLOUT, run.engine.num_actors)
         trainer_pool = make_pool(TRAINER, run.trainer.num_ranks)
@@ -67,7 +71,7 @@ def train(run: RunConfig) -> int:
     trainer = TrainerGroup(
         trainer_pool,
         setup.model,
-        optim_config(run),
+        optim,
         step_spec(run, setup),
         run.trainer.cpu_threads,
         ledger,

@@ -22,7 +22,7 @@ from rlfw.tasks import Task, build_task
 from rlfw.tasks.dataset import DatasetTask
 from rlfw.tokenizer import build_tiny_tokenizer, check_vocab, load_tokenizer
 from rlfw.train.warm_start import WarmStart, cached_warm_start
-from rlfw.trainer.deepspeed_backend import OptimConfig
+from rlfw.trainer.deepspeed_backend import OptimConfig, default_zero_stage, same_checkpoint_layout
 from rlfw.trainer.step import PPOSpec, StepSpec
 from rlfw.validation import ConfigError
 
@@ -200,7 +200,9 @@ def check_correction_streams(run: RunConfig, reference: Reference) -> None:
         )
 
 
-def optim_config(run: RunConfig) -> OptimConfig:
+def optim_config(run: RunConfig, saved_stage: int | None = None) -> OptimConfig:
+    """The optimizer settings of ``run``; ``saved_stage``: the ZeRO stage of the checkpoint a resumed run
+    loads (:func:`zero_stage`)."""
     tr = run.trainer
     return OptimConfig(
         tr.lr,
@@ -209,9 +211,24 @@ def optim_config(run: RunConfig) -> OptimConfig:
         tr.warmup_steps,
         tr.lr_schedule,
         tr.steps,
-        tr.zero_stage,
+        zero_stage(run, saved_stage),
         tr.precision,
     )
+
+
+def zero_stage(run: RunConfig, saved: int | None) -> int:
+    """``trainer.zero_stage``, or when unset the checkpoint's stage (``saved``) or else the default for the
+    rank count. A set stage that cannot load the checkpoint's optimizer state is refused with the fix."""
+    configured = run.trainer.zero_stage
+    if configured is None:
+        return saved if saved is not None else default_zero_stage(run.trainer.num_ranks)
+    if saved is not None and not same_checkpoint_layout(configured, saved):
+        raise ConfigError(
+            f"trainer.zero_stage={configured}: the checkpoint this run resumes from was written at ZeRO "
+            f"stage {saved}, whose optimizer state DeepSpeed cannot load at stage {configured}; resume with "
+            f"trainer.zero_stage={saved} (or leave trainer.zero_stage unset)"
+        )
+    return configured
 
 
 def step_spec(run: RunConfig, setup: Setup) -> StepSpec:

@@ -56,6 +56,29 @@ def test_resume_after_kill_gives_the_same_metrics(root: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_run_resumes_at_the_zero_stage_its_checkpoint_was_written_at(root: Path) -> None:
+    """A run checkpointed at ZeRO stage 1 (the one-rank default of earlier versions): resumed with the
+    stage unset it continues at stage 1 with the metrics of an uninterrupted run; resumed at stage 0,
+    which cannot load that optimizer state, it stops before starting anything, with the fix."""
+    args = [*SMALL, "trainer.steps=4", "trainer.checkpoint_every=2"]
+    whole = run_train(root, "whole_stage1", *args, "trainer.zero_stage=1")
+    assert whole.returncode == 0, whole.log[-3000:]
+    first = run_train(root, "stage1", *SMALL, "trainer.steps=2", "trainer.zero_stage=1")
+    assert first.returncode == 0, first.log[-3000:]
+    refused = run_train(root, "stage1", *args, "trainer.zero_stage=0", "resume=true")
+    assert refused.returncode == 2, refused.log[-3000:]
+    assert "written at ZeRO stage 1" in refused.log and "resume with trainer.zero_stage=1" in refused.log
+    assert "Traceback" not in refused.log
+    resumed = run_train(root, "stage1", *args, "resume=true")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert "DeepSpeed ZeRO stage 1" in resumed.log
+    after = resumed.metrics()
+    assert [r["step"] for r in after] == list(range(4))
+    for a, b in zip(whole.metrics(), after, strict=True):
+        assert comparable(a) == comparable(b)
+
+
+@pytest.mark.slow
 def test_a_dead_trainer_rank_stops_the_run_with_the_resume_command(root: Path) -> None:
     """A trainer rank killed mid-run (two ranks; the survivor is stuck in a collective): one line naming
     the rank and the command that continues the run, exit 1, no traceback; that command then finishes

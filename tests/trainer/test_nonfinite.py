@@ -51,7 +51,9 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize(("stage", "precision"), [(0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "fp32")])
+@pytest.mark.parametrize(
+    ("stage", "precision"), [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16"), (3, "fp32")]
+)
 def test_a_nonfinite_step_is_skipped_and_the_next_one_trains(stage: int, precision: str) -> None:
     env = os.environ | SUBPROCESS_ENV | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
