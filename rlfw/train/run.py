@@ -48,11 +48,12 @@ def train(run: RunConfig) -> int:
     if run.resume and not folder.resuming:
         log.warning("%s holds no checkpoint: starting the run afresh there", run_dir)
     try:  # the checks: a run that fails them leaves no folder behind
-        (run_dir / "config.yaml").write_text(to_yaml(run))
-        setup = build_setup(run, run_dir)
+        # first, before anything is written: a resumed run's checkpoint decides the ZeRO stage
         saved = saved_zero_stage(checkpoint_folder(run_dir, read_state(run_dir))) if folder.resuming else None
         optim = optim_config(run, saved)
         log.info("trainer: DeepSpeed ZeRO stage %d", optim.zero_stage)
+        (run_dir / "config.yaml").write_text(to_yaml(run))
+        setup = build_setup(run, run_dir)
         init_ray(run.engine.num_actors, run.trainer.num_ranks, run.ray_address)
         rollout_pool = make_pool(ROLLOUT, run.engine.num_actors)
         trainer_pool = make_pool(TRAINER, run.trainer.num_ranks)
