@@ -13,12 +13,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from rlfw.compose import load_config
 from rlfw.distributed.cluster import SUBPROCESS_ENV
 from rlfw.train.setup import zero_stage
+from rlfw.trainer.deepspeed_backend import saved_zero_stage
 from rlfw.validation import ConfigError
 
 # One rank of DeepSpeed in a fresh process: a step and a checkpoint at each stage and precision, then what
@@ -81,3 +83,8 @@ def test_an_unset_stage_follows_the_rank_count_or_the_checkpoint(
 def test_a_stage_that_cannot_load_the_checkpoint_is_refused_with_the_fix(configured: int, saved: int) -> None:
     with pytest.raises(ConfigError, match=rf"written at ZeRO stage {saved}.*trainer\.zero_stage={saved}"):
         zero_stage(load_config([f"trainer.zero_stage={configured}"]), saved)
+
+
+def test_a_missing_checkpoint_folder_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no trainer checkpoint 'step000003' under "):
+        saved_zero_stage(tmp_path / "step000003")
