@@ -202,7 +202,9 @@ def _f32(x: float) -> float:
 
 
 def _fma32(a: float, b: float, c: float) -> float:
-    """fp32 fma: the product of two floats is exact in a double, so one rounding of the double sum."""
+    """fp32 fma, up to one case: the product of two floats is exact in a double, but the double sum may
+    round, and rounding it again to fp32 differs from the fma's single rounding when that first rounding
+    lands exactly halfway between two floats (about one sum in 2^29)."""
     return _f32(a * b + c)
 
 
