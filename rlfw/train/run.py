@@ -47,7 +47,8 @@ def train(run: RunConfig) -> int:
     run_dir = folder.path
     if run.resume and not folder.resuming:
         log.warning("%s holds no checkpoint: starting the run afresh there", run_dir)
-    try:  # the checks: a run that fails them leaves no folder behind
+    before = {} if folder.created else _records(run_dir)
+    try:  # the checks: a run that fails them leaves no folder behind, and an existing folder as it was
         # first, before anything is written: a resumed run's checkpoint decides the ZeRO stage
         saved = saved_zero_stage(checkpoint_folder(run_dir, read_state(run_dir))) if folder.resuming else None
         optim = optim_config(run, saved)
@@ -62,6 +63,8 @@ def train(run: RunConfig) -> int:
     except BaseException:
         if folder.created:
             shutil.rmtree(run_dir, ignore_errors=True)
+        else:  # the folder was there (a resume): put back the records the checks wrote over
+            _put_back(run_dir, before)
         if ray.is_initialized():
             ray.shutdown()
         raise
@@ -150,6 +153,21 @@ def train(run: RunConfig) -> int:
             ray.shutdown()
             (run_dir / LEDGER_FILE).unlink(missing_ok=True)
     return code
+
+
+RECORDS = ("config.yaml", "contract.json")  # what the checks write into the run folder
+
+
+def _records(run_dir: Path) -> dict[str, bytes]:
+    return {name: (run_dir / name).read_bytes() for name in RECORDS if (run_dir / name).is_file()}
+
+
+def _put_back(run_dir: Path, before: dict[str, bytes]) -> None:
+    for name in RECORDS:
+        if name in before:
+            (run_dir / name).write_bytes(before[name])
+        else:
+            (run_dir / name).unlink(missing_ok=True)
 
 
 def last_saved(run_dir: Path) -> str:

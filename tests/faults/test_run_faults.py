@@ -59,7 +59,8 @@ def test_resume_after_kill_gives_the_same_metrics(root: Path) -> None:
 def test_a_run_resumes_at_the_zero_stage_its_checkpoint_was_written_at(root: Path) -> None:
     """A run checkpointed at ZeRO stage 1 (the one-rank default of earlier versions): resumed with the
     stage unset it continues at stage 1 with the metrics of an uninterrupted run; resumed at stage 0,
-    which cannot load that optimizer state, it stops with the fix before writing anything."""
+    which cannot load that optimizer state, it stops with the fix before writing anything; a resume
+    refused by a later check leaves the run's files as they were too."""
     args = [*SMALL, "trainer.steps=4", "trainer.checkpoint_every=2"]
     whole = run_train(root, "whole_stage1", *args, "trainer.zero_stage=1")
     assert whole.returncode == 0, whole.log[-3000:]
@@ -70,6 +71,11 @@ def test_a_run_resumes_at_the_zero_stage_its_checkpoint_was_written_at(root: Pat
     assert refused.returncode == 2, refused.log[-3000:]
     assert "written at ZeRO stage 1" in refused.log and "resume with trainer.zero_stage=1" in refused.log
     assert "Traceback" not in refused.log
+    assert {f.name: f.read_bytes() for f in first.run_dir.iterdir() if f.is_file()} == written
+    # refused by a check that runs after the run's records were rewritten: they are put back
+    skipping = ["kernels=default", "engine.prefill_fraction=0.5"]  # no contract to skip prefills under
+    refused = run_train(root, "stage1", *args, *skipping, "resume=true")
+    assert refused.returncode == 2 and "engine.prefill_fraction=0.5 skips the prefill stream" in refused.log
     assert {f.name: f.read_bytes() for f in first.run_dir.iterdir() if f.is_file()} == written
     resumed = run_train(root, "stage1", *args, "resume=true")
     assert resumed.returncode == 0, resumed.log[-3000:]
