@@ -29,12 +29,15 @@ from rlfw.logging.logger import RunLogger
 from rlfw.train.async_loop import async_steps
 from rlfw.train.checkpoint import CheckpointFailed, EngineWeights, checkpoint_folder, restore
 from rlfw.train.phases import Driver, StalledRun
-from rlfw.train.setup import build_setup, optim_config, settle_environment, step_spec
+from rlfw.train.setup import CONTRACT_FILE, build_setup, optim_config, settle_environment, step_spec
 from rlfw.train.state import STATE_FILE, RunState, make_run_dir, read_state
 from rlfw.train.sync_loop import sync_steps
 from rlfw.trainer.deepspeed_backend import saved_zero_stage
 
 log = logging.getLogger("rlfw.train")
+
+CONFIG_FILE = "config.yaml"  # the run's composed config, in its folder
+RECORDS = (CONFIG_FILE, CONTRACT_FILE)  # what the checks write into the run folder
 
 
 def train(run: RunConfig) -> int:
@@ -53,7 +56,7 @@ def train(run: RunConfig) -> int:
         saved = saved_zero_stage(checkpoint_folder(run_dir, read_state(run_dir))) if folder.resuming else None
         optim = optim_config(run, saved)
         log.info("trainer: DeepSpeed ZeRO stage %d", optim.zero_stage)
-        (run_dir / "config.yaml").write_text(to_yaml(run))
+        (run_dir / CONFIG_FILE).write_text(to_yaml(run))
         setup = build_setup(run, run_dir)
         init_ray(run.engine.num_actors, run.trainer.num_ranks, run.ray_address)
         rollout_pool = make_pool(ROLLOUT, run.engine.num_actors)
@@ -153,9 +156,6 @@ def train(run: RunConfig) -> int:
             ray.shutdown()
             (run_dir / LEDGER_FILE).unlink(missing_ok=True)
     return code
-
-
-RECORDS = ("config.yaml", "contract.json")  # what the checks write into the run folder
 
 
 def _records(run_dir: Path) -> dict[str, bytes]:

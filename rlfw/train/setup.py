@@ -26,6 +26,8 @@ from rlfw.trainer.deepspeed_backend import OptimConfig, default_zero_stage, same
 from rlfw.trainer.step import PPOSpec, StepSpec
 from rlfw.validation import ConfigError
 
+CONTRACT_FILE = "contract.json"  # the run's execution contract, in its folder
+
 log = logging.getLogger(__name__)
 
 
@@ -104,7 +106,7 @@ def build_setup(run: RunConfig, run_dir: Path) -> Setup:
         log.info("warm start: %d supervised steps, checkpoint %s", ws.steps, folder)
         spec = ModelSpec(str(folder), None, run.model.dtype, run.kernels, run.model.seed)
     contract = make_contract(run, model.args)  # this machine's fingerprint until the pools report theirs
-    (run_dir / "contract.json").write_text(json.dumps(contract.to_dict(), indent=2))
+    (run_dir / CONTRACT_FILE).write_text(json.dumps(contract.to_dict(), indent=2))
     check_prefill_fraction(run.engine.prefill_fraction, contract, model.args.is_moe)
     stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None and not run.engine.ignore_eos else []
     return Setup(spec, tok, task, run.engine.sampler.transforms(), contract, stop_ids, model.args)
@@ -156,7 +158,7 @@ def settle_environment(
     if accepted:
         log.warning("environment_mismatch=bound: pairs are bounded, not bitwise (%s)", listed)
     contract = make_contract(run, setup.model_args, reference, accepted)
-    (run_dir / "contract.json").write_text(json.dumps(contract.to_dict(), indent=2))
+    (run_dir / CONTRACT_FILE).write_text(json.dumps(contract.to_dict(), indent=2))
     check_prefill_fraction(run.engine.prefill_fraction, contract, setup.model_args.is_moe)
     return replace(setup, contract=contract)
 

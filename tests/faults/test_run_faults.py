@@ -66,17 +66,21 @@ def test_a_run_resumes_at_the_zero_stage_its_checkpoint_was_written_at(root: Pat
     assert whole.returncode == 0, whole.log[-3000:]
     first = run_train(root, "stage1", *SMALL, "trainer.steps=2", "trainer.zero_stage=1")
     assert first.returncode == 0, first.log[-3000:]
-    written = {f.name: f.read_bytes() for f in first.run_dir.iterdir() if f.is_file()}
+
+    def files() -> dict[str, bytes]:
+        return {f.name: f.read_bytes() for f in first.run_dir.iterdir() if f.is_file()}
+
+    written = files()
     refused = run_train(root, "stage1", *args, "trainer.zero_stage=0", "resume=true")
     assert refused.returncode == 2, refused.log[-3000:]
     assert "written at ZeRO stage 1" in refused.log and "resume with trainer.zero_stage=1" in refused.log
     assert "Traceback" not in refused.log
-    assert {f.name: f.read_bytes() for f in first.run_dir.iterdir() if f.is_file()} == written
+    assert files() == written
     # refused by a check that runs after the run's records were rewritten: they are put back
     skipping = ["kernels=default", "engine.prefill_fraction=0.5"]  # no contract to skip prefills under
     refused = run_train(root, "stage1", *args, *skipping, "resume=true")
     assert refused.returncode == 2 and "engine.prefill_fraction=0.5 skips the prefill stream" in refused.log
-    assert {f.name: f.read_bytes() for f in first.run_dir.iterdir() if f.is_file()} == written
+    assert files() == written
     resumed = run_train(root, "stage1", *args, "resume=true")
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert "DeepSpeed ZeRO stage 1" in resumed.log
