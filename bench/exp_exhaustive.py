@@ -1,11 +1,11 @@
-"""The attention kernel's fp32 exp against this machine's C library ``expf``, on every one of the 2^32 floats.
+"""The CPU kernels' fp32 exp against this machine's C library ``expf``, on every one of the 2^32 floats.
 
-The CPU attention (``kernels/csrc/attention.cpp``) computes its softmax exponentials with its own exp, so
-that eight can run at once and the bits do not depend on the C library. It was written to give the bits
-the kernel had when it called ``std::exp`` (glibc's ``expf``); this script checks that claim exhaustively:
-it compiles the kernel's exp section (from ``kExp2Table`` up to ``exp_shifted``) into a small C++ program
-with the kernel's build flags and compares both its scalar and its eight-lane path with ``expf`` bit for bit,
-NaN payloads included. About 45 s on one core.
+The CPU kernels compute the attention's softmax exponentials and SiLU's with their own exp
+(``kernels/csrc/exp_f32.h``), so that eight can run at once and the bits do not depend on the C library.
+It was written to give the bits the attention had when it called ``std::exp`` (glibc's ``expf``); this
+script checks that claim exhaustively: it compiles the header's exp section (from ``kExp2Table`` to the
+end of its namespace) into a small C++ program with the kernels' build flags and compares both its scalar
+and its eight-lane path with ``expf`` bit for bit, NaN payloads included. About 45 s on one core.
 
     .venv/bin/python bench/exp_exhaustive.py
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from rlfw.kernels.cpu_native import CFLAGS, LDFLAGS
 
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "csrc" / "attention.cpp"
-FIRST, END = "constexpr uint64_t kExp2Table", "// e[i] = exp_f32(e[i] - m)"
+SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "csrc" / "exp_f32.h"
+FIRST, END = "constexpr uint64_t kExp2Table", "}  // namespace rlfw_exp"
 
 HARNESS = r"""
 #include <cmath>
@@ -29,7 +29,7 @@ HARNESS = r"""
 #include <cstring>
 #include <immintrin.h>
 #define RLFW_AVX2 1
-constexpr int64_t kLanes = 8;
+constexpr int64_t kExpLanes = 8;
 %(section)s
 int main() {
   long bad_scalar = 0, bad_vector = 0;

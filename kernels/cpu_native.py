@@ -20,6 +20,8 @@ SOURCES = [
     Path(__file__).with_name("csrc") / name
     for name in ("module.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp")
 ]
+HEADERS = [Path(__file__).with_name("csrc") / "exp_f32.h"]
+"""Included by the sources: copied beside them and part of the build key, never compiled alone."""
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 """``-march=native`` only decides speed (AVX2/FMA or the portable path): both paths compute the same
 fma chains, and fma is exactly rounded, so every machine gets the same bits. ``-ffp-contract=off`` keeps
@@ -45,7 +47,7 @@ def build_key() -> str:
     import torch
 
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     digest.update(" ".join([*CFLAGS, *LDFLAGS, torch.__version__]).encode())
     return digest.hexdigest()[:16]
@@ -80,12 +82,13 @@ def module() -> Any:
     with (build / "build.flock").open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         sources = []
-        for source in SOURCES:
+        for source in SOURCES + HEADERS:
             copy = build / "src" / source.name
             if not copy.is_file() or copy.read_bytes() != source.read_bytes():
                 copy.parent.mkdir(exist_ok=True)
                 shutil.copyfile(source, copy)
-            sources.append(str(copy))
+            if source in SOURCES:
+                sources.append(str(copy))
         (build / "lock").unlink(missing_ok=True)  # a dead build's baton: we hold the flock
         return load(
             name=NAME,

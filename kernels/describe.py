@@ -57,6 +57,17 @@ def _attention_record(backend: str) -> dict[str, Any]:
     }
 
 
+def _rms_norm_record(triton_like: bool) -> dict[str, Any]:
+    common = {"accumulate": "fp32", "round": "normed_to_input_dtype_then_weight_mul"}
+    if triton_like:
+        return {"impl": "triton_row", "sum_chunk": None, **common}
+    torch_row = {"impl": "torch_row", "sum_chunk": reduce.SUM_CHUNK, **common}
+    if torch.cuda.is_available():
+        return torch_row
+    # CPU: fp32 rows take the compiled kernel; other dtypes (bf16) the torch spelling
+    return {"fp32": {"impl": "cpp_row", "sum": "16_lane_fma_then_halving_fold", **common}, **torch_row}
+
+
 def describe_invariant(backend: str) -> dict[str, Any]:
     """The record of :class:`~rlfw.kernels.invariant.InvariantOps` on ``backend``."""
     from rlfw.kernels import triton_config as tc
@@ -64,24 +75,26 @@ def describe_invariant(backend: str) -> dict[str, Any]:
     if backend == "vllm":
         return _describe_vllm()
     triton_like = backend == "triton"
+    off_cpu = triton_like or torch.cuda.is_available()  # CPU tensors take the compiled kernels
     return {
         "name": "invariant",
         "backend": backend,
         "linear": _linear_record(backend),
-        "rms_norm": {
-            "impl": "triton_row" if triton_like else "torch_row",
-            "accumulate": "fp32",
-            "round": "normed_to_input_dtype_then_weight_mul",
-            "sum_chunk": None if triton_like else reduce.SUM_CHUNK,
-        },
+        "rms_norm": _rms_norm_record(triton_like),
         "rope": {
             # the compiled kernel on CPU: the torch spelling's IEEE operations, in its order
-            "impl": "torch_elementwise" if triton_like or torch.cuda.is_available() else "cpp_elementwise",
+            "impl": "torch_elementwise" if off_cpu else "cpp_elementwise",
             "math": "fp32",
             "layout": "rotate_half",
             "products": "unfused_mul_mul_add",
         },
-        "silu_mul": {"impl": "torch_elementwise", "silu": "x/(1+exp(-x))", "math": "fp32", "round": "once"},
+        "silu_mul": {
+            "impl": "torch_elementwise" if off_cpu else "cpp_elementwise",
+            "silu": "x/(1+exp(-x))",
+            "exp": "torch" if off_cpu else "own_fp32_exp_table32_cubic_double",
+            "math": "fp32",
+            "round": "once",
+        },
         "attention": _attention_record(backend),
         "log_softmax": {
             "impl": "triton_row" if triton_like else "torch_row",

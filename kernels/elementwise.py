@@ -6,11 +6,11 @@ disagree. Measured here: ``F.silu`` differs between the two paths on ~3.6% of fp
 the end of a batch could get other bits than the same row in the middle. ``exp`` and IEEE
 ``+ - * /`` agree on both paths (a test checks ``exp``), so SiLU is spelt with those.
 
-On CPU in fp32 the compiled kernels (``kernels/csrc/elementwise.cpp``) serve RoPE (the same IEEE
-operations, so the same bits) and the trainer's backward of all three ops: one pass over memory each
-instead of autograd's chain of small nodes, whose bits do not depend on the thread count (so a trainer
-may widen them onto lent cores). The forward values never change: the autograd wrappers below run the
-same torch operations as the no-grad path and only keep what their backward needs.
+On CPU the compiled kernels (``kernels/csrc/elementwise.cpp``) serve RoPE (fp32; the same IEEE
+operations as the torch spelling, so the same bits), SiLU-mul (with the kernels' own exp) and the
+trainer's backward of both: one pass over memory each instead of a chain of small ops or autograd nodes,
+whose bits do not depend on the thread count (so a trainer may widen them onto lent cores). Under autograd
+the wrappers below run the no-grad path's kernel forward and only keep what their backward needs.
 """
 
 from __future__ import annotations
@@ -89,36 +89,43 @@ def silu(x: Tensor) -> Tensor:
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` computed in fp32 and rounded to ``gate.dtype`` once.
 
-    Without autograd the same IEEE operations run in place on one buffer (same bits, one allocation
-    instead of four).
+    On CPU the compiled kernel computes :func:`silu`'s operations with the kernels' own exp (glibc's expf
+    algorithm, the attention's: torch's vectorised exp differs from it on about 0.07% of floats), with or
+    without autograd (under autograd its backward is compiled too). Elsewhere the torch spelling; without
+    autograd its IEEE operations run in place on one buffer (same bits, one allocation instead of four).
     """
     g = gate if gate.dtype == torch.float32 else gate.float()
     u = up if up.dtype == torch.float32 else up.float()
-    if needs_grad(g, u):
-        if cpu_native.serves(gate, up):
+    if cpu_native.serves(g, u) and g.shape == u.shape:
+        if needs_grad(g, u):
             fused: Tensor = _SiluMul.apply(g, u)
-            return fused
+            out = fused
+        else:
+            out = _compiled_silu_mul(g, u, keep_denom=False)[0]
+    elif needs_grad(g, u):
         out = silu(g) * u
     else:
-        denom = _one_plus_exp_neg(g)
+        denom = torch.neg(g).exp_().add_(1.0)
         out = torch.div(g, denom, out=denom).mul_(u)
     return out if out.dtype == gate.dtype else out.to(gate.dtype)
 
 
-def _one_plus_exp_neg(g: Tensor) -> Tensor:
-    """``1 + exp(-g)`` in a new buffer, in place after the negation (:func:`silu`'s denominator)."""
-    return torch.neg(g).exp_().add_(1.0)
+def _compiled_silu_mul(g: Tensor, u: Tensor, keep_denom: bool) -> list[Tensor]:
+    """The compiled forward on fp32 ``g`` and ``u``: ``[out]``; ``[out, 1 + exp(-g)]`` with ``keep_denom``."""
+    with widened():
+        outs: list[Tensor] = cpu_native.module().silu_mul(g.contiguous(), u.contiguous(), keep_denom)
+    return [o.view(g.shape) for o in outs]
 
 
 class _SiluMul(torch.autograd.Function):
-    """:func:`silu_mul` with the compiled backward: the forward is the no-grad path's operations (same
-    bits) and keeps ``1 + exp(-gate)`` for the backward."""
+    """:func:`silu_mul` with the compiled backward: the forward is the no-grad path's kernel (same bits)
+    and keeps ``1 + exp(-gate)`` for the backward."""
 
     @staticmethod
     def forward(ctx: Any, g: Tensor, u: Tensor) -> Tensor:
-        denom = _one_plus_exp_neg(g)
+        out, denom = _compiled_silu_mul(g, u, keep_denom=True)
         ctx.save_for_backward(g, u, denom)
-        return torch.div(g, denom).mul_(u)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:

@@ -16,16 +16,19 @@ from rlfw.kernels.threads import widened
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``weight * (x / sqrt(mean(x^2) + eps))`` over the last dim.
 
-    Same formula and rounding points as the default op (normalise in fp32, round to ``x.dtype``, then
-    scale by ``weight``), with the mean taken as :func:`row_sum` divided by the row length so its order
-    is fixed per row. ``rsqrt`` gives the same bits on torch's vector and scalar paths in fp32 (checked by
-    a test), so position inside the batch cannot change it.
-
-    With autograd on fp32 CPU operands the backward is the compiled one (the forward is unchanged).
+    On CPU with fp32 ``x`` and ``weight`` the compiled kernel (``kernels/csrc/elementwise.cpp``) computes each
+    row alone: its sum of squares in a fixed lane order, then ``weight * (x * r)``, with or without autograd
+    (under autograd its backward is compiled too). Elsewhere the same formula and rounding points as the
+    default op (normalise in fp32, round to ``x.dtype``, then scale by ``weight``), with the mean taken as
+    :func:`row_sum` divided by the row length so its order is fixed per row. ``rsqrt`` gives the same bits
+    on torch's vector and scalar paths in fp32 (checked by a test), so position inside the batch cannot
+    change it.
     """
-    if needs_grad(x, weight) and cpu_native.serves(x, weight) and x.shape[-1] > 0:
-        out: Tensor = _RMSNorm.apply(x, weight, eps)
-        return out
+    if _compiled(x, weight):
+        if needs_grad(x, weight):
+            out: Tensor = _RMSNorm.apply(x, weight, eps)
+            return out
+        return _compiled_rms_norm(x, weight, eps)[0]
     xf = x.float()
     normed = xf * inverse_rms(xf, eps).unsqueeze(-1)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
@@ -37,6 +40,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (weight.float() * normed.to(x.dtype).float()).to(out_dtype)
 
 
+def _compiled(x: Tensor, weight: Tensor) -> bool:
+    """Whether the compiled kernel serves this call: fp32 CPU operands with non-empty rows."""
+    return cpu_native.serves(x, weight) and x.shape[-1] > 0 and x.numel() > 0
+
+
+def _compiled_rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The compiled forward: ``(y, r)`` with ``y`` shaped like ``x`` and ``r`` its rows' ``rsqrt``."""
+    d = x.shape[-1]
+    with widened():
+        y, r = cpu_native.module().rms_norm(x.reshape(-1, d).contiguous(), weight.contiguous(), eps)
+    return y.view(x.shape), r.view(x.shape[:-1])
+
+
 def inverse_rms(xf: Tensor, eps: float) -> Tensor:
     """``1 / sqrt(mean(xf^2) + eps)`` per row of fp32 ``xf``, the mean a :func:`row_sum` divided by the
     row length."""
@@ -44,13 +60,14 @@ def inverse_rms(xf: Tensor, eps: float) -> Tensor:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """fp32 :func:`rms_norm` (the same operations) keeping each row's ``rsqrt`` for the compiled backward."""
+    """The compiled fp32 :func:`rms_norm` (the no-grad path's kernel, so the same bits) keeping each row's
+    ``rsqrt`` for the compiled backward."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        r = inverse_rms(x, eps)
+        y, r = _compiled_rms_norm(x, weight, eps)
         ctx.save_for_backward(x, r, weight)
-        return weight * (x * r.unsqueeze(-1))
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:

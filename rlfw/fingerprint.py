@@ -43,7 +43,7 @@ def _cpp_kernels() -> dict[str, Any]:
     from rlfw.kernels import cpu_native
 
     digest = hashlib.sha256()
-    for source in cpu_native.SOURCES:
+    for source in cpu_native.SOURCES + cpu_native.HEADERS:
         digest.update(source.read_bytes())
     return {"source_sha256": digest.hexdigest()[:16], "cflags": list(cpu_native.CFLAGS)}
 

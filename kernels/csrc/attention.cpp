@@ -5,8 +5,8 @@
 // the head size only (one thread computes all heads of a query token; they share reads, not arithmetic):
 // scores s_i = q . k_i for i = 0 .. p (each dot product: eight lane sums of fma chains over d = j, j + 8, ...,
 // folded as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the d tail by an ascending fma chain,
-// then times the scale); m = max s_i; e_i = exp(s_i - m) (exp_f32 below: glibc's expf algorithm spelt out,
-// so the bits do not depend on the C library);
+// then times the scale); m = max s_i; e_i = exp(s_i - m) (exp_f32 of exp_f32.h: glibc's expf algorithm spelt
+// out, so the bits do not depend on the C library);
 // denominator = sum of e_i, i ascending; out[d] = (fma chain over i ascending of e_i * v_i[d]) / denominator.
 // Nothing past p is read, so stale or non-finite cache contents there cannot reach a result, and a prefill,
 // a chunked prefill, a decode step and the trainer's forward give the same bits for the same query.
@@ -23,95 +23,16 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define RLFW_AVX2 1
-#else
-#define RLFW_AVX2 0
-#endif
+#include "exp_f32.h"
 
 namespace {
 
-constexpr int64_t kLanes = 8;
-
-// exp for fp32, computed in double: x / ln2 = k / 32 + r, exp(x) = 2^(k/32) * p(r) with a cubic p, rounded to
-// float once. This is the algorithm of glibc's expf (2.28 and later) with its fma-contracted evaluation, and
-// it gives the same float as that expf on every input (checked on all 2^32 floats against glibc 2.36's
-// libm on an AVX2/FMA machine: bench/exp_exhaustive.py). Written out here so the attention's bits do not depend
-// on which C library or which of its variants a machine has, and so eight can be computed at once.
-constexpr uint64_t kExp2Table[32] = {  // bits of 2^(i/32), correctly rounded, minus i << 47
-    0x3ff0000000000000ULL, 0x3fefd9b0d3158574ULL, 0x3fefb5586cf9890fULL, 0x3fef9301d0125b51ULL,
-    0x3fef72b83c7d517bULL, 0x3fef54873168b9aaULL, 0x3fef387a6e756238ULL, 0x3fef1e9df51fdee1ULL,
-    0x3fef06fe0a31b715ULL, 0x3feef1a7373aa9cbULL, 0x3feedea64c123422ULL, 0x3feece086061892dULL,
-    0x3feebfdad5362a27ULL, 0x3feeb42b569d4f82ULL, 0x3feeab07dd485429ULL, 0x3feea47eb03a5585ULL,
-    0x3feea09e667f3bcdULL, 0x3fee9f75e8ec5f74ULL, 0x3feea11473eb0187ULL, 0x3feea589994cce13ULL,
-    0x3feeace5422aa0dbULL, 0x3feeb737b0cdc5e5ULL, 0x3feec49182a3f090ULL, 0x3feed503b23e255dULL,
-    0x3feee89f995ad3adULL, 0x3feeff76f2fb5e47ULL, 0x3fef199bdd85529cULL, 0x3fef3720dcef9069ULL,
-    0x3fef5818dcfba487ULL, 0x3fef7c97337b9b5fULL, 0x3fefa4afa2a490daULL, 0x3fefd0765b6e4540ULL};
-constexpr double kExpInvLn2 = 0x1.71547652b82fep+0 * 32;  // 32 / ln 2
-constexpr double kExpShift = 0x1.8p+52;                   // adding it rounds to an integer in the low bits
-constexpr double kExpC0 = 0x1.c6af84b912394p-5 / 32 / 32 / 32, kExpC1 = 0x1.ebfce50fac4f3p-3 / 32 / 32,
-                 kExpC2 = 0x1.62e42ff0c52d6p-1 / 32;
-constexpr uint32_t kExpLarge = 0x42b00000;  // |x| >= 88 (or not finite) takes the edge cases
-
-inline float exp_core(float x) {
-  const double xd = x;
-  double kd = std::fma(kExpInvLn2, xd, kExpShift);
-  uint64_t ki;
-  std::memcpy(&ki, &kd, sizeof ki);
-  kd -= kExpShift;
-  const double r = std::fma(kExpInvLn2, xd, -kd);
-  const uint64_t t = kExp2Table[ki % 32] + (ki << 47);
-  double s;
-  std::memcpy(&s, &t, sizeof s);
-  const double z = std::fma(kExpC0, r, kExpC1), r2 = r * r;
-  const double y = std::fma(z, r2, std::fma(kExpC2, r, 1.0));
-  return static_cast<float>(y * s);
-}
-
-inline float exp_f32(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) >= kExpLarge) {  // |x| >= 88, infinities, NaN
-    if (x == -INFINITY) return 0.0f;
-    if (!(x < INFINITY)) return x + x;       // NaN (quietened) or +inf
-    if (x > 0x1.62e42ep6f) return INFINITY;  // past log(FLT_MAX)
-    if (x < -0x1.9fe368p6f) return 0.0f;     // below log of half the least subnormal
-  }
-  return exp_core(x);
-}
-
+using rlfw_exp::exp_f32;
 #if RLFW_AVX2
-// exp_core on four doubles (widened floats), rounded to four floats: the same operations lane by lane.
-inline __m128 exp_core4(__m256d xd) {
-  const __m256d inv = _mm256_set1_pd(kExpInvLn2), shift = _mm256_set1_pd(kExpShift);
-  __m256d kd = _mm256_fmadd_pd(inv, xd, shift);
-  const __m256i ki = _mm256_castpd_si256(kd);
-  kd = _mm256_sub_pd(kd, shift);
-  const __m256d r = _mm256_fmsub_pd(inv, xd, kd);
-  const __m256i idx = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
-  const __m256i tab = _mm256_i64gather_epi64(reinterpret_cast<const long long*>(kExp2Table), idx, 8);
-  const __m256d s = _mm256_castsi256_pd(_mm256_add_epi64(tab, _mm256_slli_epi64(ki, 47)));
-  const __m256d z = _mm256_fmadd_pd(_mm256_set1_pd(kExpC0), r, _mm256_set1_pd(kExpC1));
-  const __m256d r2 = _mm256_mul_pd(r, r);
-  const __m256d y = _mm256_fmadd_pd(z, r2, _mm256_fmadd_pd(_mm256_set1_pd(kExpC2), r, _mm256_set1_pd(1.0)));
-  return _mm256_cvtpd_ps(_mm256_mul_pd(y, s));
-}
-
-// exp_f32 of eight floats: lanes with |x| >= 88 (or not finite) are redone one at a time.
-inline __m256 exp8(__m256 x) {
-  const __m256 out = _mm256_set_m128(exp_core4(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))),
-                                     exp_core4(_mm256_cvtps_pd(_mm256_castps256_ps128(x))));
-  const __m256i abs = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff));
-  const __m256i large = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(static_cast<int>(kExpLarge) - 1));
-  if (_mm256_testz_si256(large, large)) return out;
-  alignas(32) float xs[kLanes], ys[kLanes];
-  _mm256_store_ps(xs, x);
-  _mm256_store_ps(ys, out);
-  for (int64_t k = 0; k < kLanes; ++k) ys[k] = exp_f32(xs[k]);
-  return _mm256_load_ps(ys);
-}
+using rlfw_exp::exp8;
 #endif
+
+constexpr int64_t kLanes = 8;
 
 // e[i] = exp_f32(e[i] - m) for i < n.
 inline void exp_shifted(float* e, int64_t n, float m) {

@@ -1,9 +1,14 @@
-// The trainer's elementwise ops around the linears: RoPE (forward and backward), and the backward passes
-// of SwiGLU's gate and of RMSNorm, each one pass over memory instead of a chain of autograd nodes.
+// The elementwise ops around the linears: RoPE, SwiGLU's gate and RMSNorm, forward and backward, each one
+// pass over memory instead of a chain of torch ops or autograd nodes.
 //
 // RoPE's forward is the same IEEE operations as the torch spelling x * cos + rotate_half(x) * sin (two
 // rounded products, one rounded sum; the build's -ffp-contract=off keeps them unfused), so it gives the
-// same bits as the spelling it replaces, on the engine's and on the trainer's side. The backward passes
+// same bits as the spelling it replaces, on the engine's and on the trainer's side. SiLU-mul's forward is
+// (g / (1 + exp(-g))) * u with the kernels' own exp (exp_f32.h), one rounding per operation. RMSNorm's
+// forward sums a row's squares in sixteen lanes (element i into lane i mod 16, an fma chain per lane, i
+// ascending), folds the lanes by halving (lane j += lane j + h for h = 8, 4, 2, 1), then r = 1 / sqrt(sum / D
+// + eps) and y = w * (x * r). Each element or row is computed by one thread in that order on every build
+// (AVX2/FMA or portable), so the forward's bits depend on the row alone. The backward passes
 // need no bits of their own to match (they are gradients), only a fixed order: every output element is
 // computed by one thread from its own inputs, and RMSNorm's weight gradient sums its rows in ascending
 // order per column, so the results do not depend on the number of threads.
@@ -11,8 +16,11 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "exp_f32.h"
 
 namespace {
 
@@ -154,4 +162,94 @@ std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const to
     }
   });
   return {dx, dw};
+}
+
+namespace {
+
+constexpr int64_t kSumLanes = 16;  // RMSNorm's sum of squares: lanes of the fma chains
+
+// Sum of x[i]^2 over i < d in the order stated at the top of this file.
+inline float sum_squares(const float* x, int64_t d) {
+  alignas(32) float lane[kSumLanes] = {};
+  int64_t i = 0;
+#if RLFW_AVX2
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (; i + kSumLanes <= d; i += kSumLanes) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    lo = _mm256_fmadd_ps(a, a, lo);
+    hi = _mm256_fmadd_ps(b, b, hi);
+  }
+  _mm256_store_ps(lane, lo);
+  _mm256_store_ps(lane + 8, hi);
+#endif
+  for (; i < d; ++i) lane[i % kSumLanes] = std::fma(x[i], x[i], lane[i % kSumLanes]);
+  for (int64_t h = kSumLanes / 2; h > 0; h /= 2)
+    for (int64_t j = 0; j < h; ++j) lane[j] += lane[j + h];
+  return lane[0];
+}
+
+}  // namespace
+
+// y = w * (x * r) per row of x [R, D] with r = 1 / sqrt(sum(x^2) / D + eps); returns (y [R, D], r [R]) (r is
+// what the backward reads).
+std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_f32(x, "rms_norm", "x");
+  check_f32(w, "rms_norm", "weight");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "rms_norm: x [R, D] and weight [D]");
+  const int64_t rows = x.size(0), d = x.size(1);
+  auto y = torch::empty_like(x);
+  auto r = torch::empty({rows}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* ws = w.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  float* rs = r.data_ptr<float>();
+  const float e = static_cast<float>(eps), n = static_cast<float>(d);
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, d)), [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      const float* xr = xs + row * d;
+      float* o = ys + row * d;
+      const float rr = 1.0f / std::sqrt(sum_squares(xr, d) / n + e);
+      rs[row] = rr;
+      int64_t j = 0;
+#if RLFW_AVX2
+      const __m256 rv = _mm256_set1_ps(rr);
+      for (; j + 8 <= d; j += 8)
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(ws + j), _mm256_mul_ps(_mm256_loadu_ps(xr + j), rv)));
+#endif
+      for (; j < d; ++j) o[j] = ws[j] * (xr[j] * rr);
+    }
+  });
+  return {y, r};
+}
+
+// out = (g / (1 + exp(-g))) * u elementwise; with keep_denom also returns 1 + exp(-g) (the backward's input).
+std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor& u, bool keep_denom) {
+  check_f32(g, "silu_mul", "gate");
+  check_f32(u, "silu_mul", "up");
+  TORCH_CHECK(u.sizes() == g.sizes(), "silu_mul: gate and up must have one shape");
+  auto out = torch::empty_like(g);
+  auto denom = keep_denom ? torch::empty_like(g) : torch::Tensor();
+  const float* gs = g.data_ptr<float>();
+  const float* us = u.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  float* dn = keep_denom ? denom.data_ptr<float>() : nullptr;
+  at::parallel_for(0, g.numel(), kGrain, [&](int64_t i0, int64_t i1) {
+    int64_t i = i0;
+#if RLFW_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + rlfw_exp::kExpLanes <= i1; i += rlfw_exp::kExpLanes) {
+      const __m256 x = _mm256_loadu_ps(gs + i);
+      const __m256 den = _mm256_add_ps(one, rlfw_exp::exp8(_mm256_xor_ps(x, sign)));
+      if (dn != nullptr) _mm256_storeu_ps(dn + i, den);
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, den), _mm256_loadu_ps(us + i)));
+    }
+#endif
+    for (; i < i1; ++i) {
+      const float den = 1.0f + rlfw_exp::exp_f32(-gs[i]);
+      if (dn != nullptr) dn[i] = den;
+      o[i] = (gs[i] / den) * us[i];
+    }
+  });
+  if (keep_denom) return {out, denom};
+  return {out};
 }

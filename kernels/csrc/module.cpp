@@ -20,6 +20,8 @@ std::vector<torch::Tensor> silu_mul_backward(const torch::Tensor& grad, const to
                                              const torch::Tensor& u, const torch::Tensor& denom);
 std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const torch::Tensor& x,
                                              const torch::Tensor& r, const torch::Tensor& w);
+std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor& u, bool keep_denom);
 bool vectorised();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -32,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "the same attention over a paged K/V cache read through a block table (vLLM's layout)");
   mod.def("rope", &rope, "rotate-half RoPE, fp32 (the same bits as x * cos + rotate_half(x) * sin)");
   mod.def("rope_backward", &rope_backward, "RoPE's gradient with respect to x");
+  mod.def("rms_norm", &rms_norm, "(y, r) of RMSNorm over rows, r = 1 / sqrt(mean(x^2) + eps) (fixed lane order)");
+  mod.def("silu_mul", &silu_mul, "(silu(gate) * up[, 1 + exp(-gate)]) with the kernels' own exp");
   mod.def("silu_mul_backward", &silu_mul_backward, "(d gate, d up) of silu(gate) * up, one pass");
   mod.def("rms_norm_backward", &rms_norm_backward, "(dx, d weight) of RMSNorm, one pass per row");
   mod.def("attention_backward", &attention_backward, "(dq, dk, dv) of attention over the batch's own K/V");

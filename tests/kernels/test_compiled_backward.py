@@ -1,21 +1,25 @@
-"""The compiled CPU kernels of the trainer's elementwise ops and attention backward
+"""The compiled CPU kernels of the elementwise ops and the attention backward
 (``kernels/csrc/elementwise.cpp``, ``attention_backward`` in ``kernels/csrc/attention.cpp``).
 
-What they promise: the forward under autograd has the bits of the no-grad forward (the engine's), the
-gradients are those of the reference math (checked against float64 autograd), and the gradients' bits do
-not depend on the thread count (so a trainer may run them on lent cores)."""
+What they promise: RMSNorm's and SiLU-mul's forward compute the operations their source states, in its
+order (checked against an exact spelling of it here, so every build computes the same bits); the forward
+under autograd has the bits of the no-grad forward (the engine's); the gradients are those of the
+reference math (checked against float64 autograd); and no bit depends on the thread count (so a trainer
+may run them on lent cores)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
 from rlfw.kernels import attention as attn
-from rlfw.kernels import elementwise, norm
-from rlfw.kernels.reduce import row_sum
+from rlfw.kernels import cpu_native, elementwise, norm
 from tests.kernels.bits import assert_same_bits, torch_threads
 
 
@@ -44,6 +48,68 @@ def _rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _rms_ref(x: Tensor, w: Tensor) -> Tensor:
     return w * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6))
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float32).astype(np.float64)
+
+
+def _rms_norm_as_stated(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """RMSNorm in the order ``elementwise.cpp`` states, spelt in float64 and rounded to fp32 after every
+    operation: a product of two floats is exact in a double, and one float operation (+, /, sqrt) rounded
+    to a double and then to a float gives the correctly rounded float. The fma chains' sums may round
+    twice where the fma rounds once; that differs only when the first rounding lands exactly halfway
+    between two floats (about one step in 2^29), which these fixed inputs never hit (the test would say
+    so)."""
+    xs = x.reshape(-1, x.shape[-1]).double().numpy()
+    rows, d = xs.shape
+    lane = np.zeros((rows, 16))
+    for i in range(d):
+        lane[:, i % 16] = _f32(xs[:, i] * xs[:, i] + lane[:, i % 16])
+    h = 8
+    while h:
+        lane[:, :h] = _f32(lane[:, :h] + lane[:, h : 2 * h])
+        h //= 2
+    mean = _f32(_f32(lane[:, 0] / d) + np.float64(np.float32(eps)))
+    r = _f32(1.0 / _f32(np.sqrt(mean)))
+    y = _f32(w.double().numpy()[None, :] * _f32(xs * r[:, None]))
+    return torch.from_numpy(y.astype(np.float32)).view(x.shape)
+
+
+def _silu_mul_as_stated(g: Tensor, u: Tensor) -> Tensor:
+    """``(g / (1 + exp(-g))) * u`` rounded after every operation, the exp the C library's ``expf`` (the
+    kernels' exp gives its bits on every float: ``bench/exp_exhaustive.py``)."""
+    expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
+    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    gs, us = g.reshape(-1).double().numpy(), u.reshape(-1).double().numpy()
+    e = np.array([expf(-v) for v in gs], dtype=np.float64)
+    out = _f32(_f32(gs / _f32(1.0 + e)) * us)
+    return torch.from_numpy(out.astype(np.float32)).view(g.shape)
+
+
+@pytest.mark.parametrize("d", [1, 7, 16, 17, 64, 100, 512, 1000])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_kernel_computes_the_stated_order(d: int, threads: int) -> None:
+    g = torch.Generator().manual_seed(d)
+    x, w = torch.randn(9, d, generator=g) * 3, torch.randn(d, generator=g)
+    x[3] = 0.0  # a zero row: r = 1 / sqrt(eps)
+    with torch_threads(threads):
+        y, r = cpu_native.module().rms_norm(x, w, 1e-6)
+    assert_same_bits(y, _rms_norm_as_stated(x, w, 1e-6), f"d={d} threads={threads}")
+    assert bool(torch.isfinite(r).all())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_silu_mul_kernel_computes_the_stated_operations(threads: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    edges = torch.tensor([0.0, -0.0, 88.5, -88.5, 100.0, -120.0])
+    gate = torch.cat([torch.randn(3001, generator=g) * 12, edges])
+    gate[-1000:-900] = torch.randn(100, generator=g) * 1e-6  # near 0: where torch's exp and libm's differ
+    up = torch.randn(gate.shape, generator=g)
+    with torch_threads(threads):
+        out, denom = cpu_native.module().silu_mul(gate, up, True)
+    assert_same_bits(out, _silu_mul_as_stated(gate, up), f"threads={threads}")
+    torch.testing.assert_close(denom, 1 + torch.exp(-gate.double()).float(), rtol=1e-6, atol=0)
 
 
 def _tables(b: int, t: int, d: int) -> tuple[Tensor, Tensor]:
@@ -78,6 +144,7 @@ def test_silu_mul_gradient_and_forward_bits() -> None:
     out, got = _grads(elementwise.silu_mul, [gate, up], g)
     with torch.no_grad():
         assert_same_bits(out, elementwise.silu_mul(gate, up), "forward under autograd")
+        assert_same_bits(out, _silu_mul_as_stated(gate, up), "the stated operations")
     _close(got, _reference_grads(lambda a, b: a * torch.sigmoid(a) * b, [gate, up], g))
 
 
@@ -88,9 +155,7 @@ def test_rms_norm_gradient_and_forward_bits(shape: tuple[int, ...]) -> None:
     out, got = _grads(lambda a, b: norm.rms_norm(a, b, 1e-6), [x, w], g)
     with torch.no_grad():
         assert_same_bits(out, norm.rms_norm(x, w, 1e-6), "forward under autograd")
-        xf = x.float()
-        spelt = w * (xf * torch.rsqrt(row_sum(xf * xf) / shape[-1] + 1e-6).unsqueeze(-1))
-        assert_same_bits(out, spelt, "the no-grad spelling")
+        assert_same_bits(out, _rms_norm_as_stated(x, w, 1e-6), "the stated order")
     _close(got, _reference_grads(_rms_ref, [x, w], g))
 
 

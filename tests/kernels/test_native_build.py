@@ -23,7 +23,7 @@ def test_the_build_is_keyed_by_the_sources_and_built_from_its_own_copy() -> None
     folder = cpu_native.build_folder()
     cpu_native.module()
     copies = sorted(p.name for p in (folder / "src").iterdir())
-    assert copies == sorted(s.name for s in cpu_native.SOURCES)
-    for source in cpu_native.SOURCES:
+    assert copies == sorted(s.name for s in cpu_native.SOURCES + cpu_native.HEADERS)
+    for source in cpu_native.SOURCES + cpu_native.HEADERS:
         assert (folder / "src" / source.name).read_bytes() == source.read_bytes()
     assert len(cpu_native.build_key()) == 16 and cpu_native.build_key() == cpu_native.build_key()
