@@ -335,3 +335,62 @@ torch::Tensor linear_t(const torch::Tensor& x, const torch::Tensor& wt) {
 }
 
 bool vectorised() { return RLFW_AVX2; }
+
+namespace {
+
+constexpr int64_t kTile = 64;  // rows and columns per cache tile of transpose()
+
+#if RLFW_AVX2
+// dst[j * ldd + i] = src[i * lds + j] for an 8 x 8 block.
+inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+#endif
+
+}  // namespace
+
+// a [M, N] fp32 -> a.T as a new contiguous [N, M] (a copy: the bits are a's). Cache tiles of 64 x 64,
+// 8 x 8 register transposes inside them; threads take tiles of output rows.
+torch::Tensor transpose(const torch::Tensor& a) {
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kFloat && a.is_contiguous(),
+              "transpose: contiguous fp32 [M, N]");
+  const int64_t m = a.size(0), n = a.size(1);
+  auto out = torch::empty({n, m}, a.options());
+  const float* src = a.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t j0 = t0 * kTile; j0 < std::min(n, t1 * kTile); j0 += kTile) {
+      const int64_t j1 = std::min(n, j0 + kTile);
+      for (int64_t i0 = 0; i0 < m; i0 += kTile) {
+        const int64_t i1 = std::min(m, i0 + kTile);
+        int64_t j = j0;
+#if RLFW_AVX2
+        for (; j + 8 <= j1; j += 8) {
+          int64_t i = i0;
+          for (; i + 8 <= i1; i += 8) transpose8(src + i * n + j, n, dst + j * m + i, m);
+          for (; i < i1; ++i)
+            for (int64_t jj = j; jj < j + 8; ++jj) dst[jj * m + i] = src[i * n + jj];
+        }
+#endif
+        for (; j < j1; ++j)
+          for (int64_t i = i0; i < i1; ++i) dst[j * m + i] = src[i * n + j];
+      }
+    }
+  });
+  return out;
+}

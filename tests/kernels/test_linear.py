@@ -153,3 +153,16 @@ def test_every_register_block_computes_the_documented_fma_chain(k: int, threads:
                 assert_same_bits(mod.linear_packed(x, packed, n), want, f"packed {where}")
                 assert_same_bits(mod.linear(x, w), want, f"in place / packed per call {where}")
                 assert_same_bits(mod.linear_t(x, w.t().contiguous()), want, f"transposed {where}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_transpose_is_torchs_transpose(threads: int) -> None:
+    """The weight gradient's transposed copy (``matmul.grad_weight``): every shape's whole tiles, partial
+    tiles and 8 x 8 blocks with their tails give exactly ``a.t().contiguous()``."""
+    from rlfw.kernels import cpu_native
+
+    g = torch.Generator().manual_seed(threads)
+    with torch_threads(threads):
+        for shape in [(1, 1), (3, 5), (8, 8), (9, 17), (64, 64), (65, 130), (200, 71), (1088, 512)]:
+            a = torch.randn(shape, generator=g)
+            assert_same_bits(cpu_native.module().transpose(a), a.t().contiguous(), f"{shape}")
