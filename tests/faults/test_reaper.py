@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -21,12 +22,16 @@ def _sleeper(*args: str) -> subprocess.Popen[bytes]:
 def _wait_until_watching(pid: int) -> None:
     """Until the reaper holds its pidfd on the driver (it then finds the tree in its final scan at the
     latest); a driver killed before the reaper started would leave it nothing to watch."""
-    deadline = time.monotonic() + 60  # a bound for a failing test
-    while time.monotonic() < deadline:
-        if "anon_inode:[pidfd]" in _open_files(pid):
-            return
-        psutil.wait_procs([], timeout=0.05)
-    raise AssertionError("the reaper never started watching the driver")
+    _until(lambda: "anon_inode:[pidfd]" in _open_files(pid), "the reaper watches the driver")
+
+
+def _until(ready: Callable[[], bool], what: str) -> None:
+    """Wait for a state (60 s: a bound for a failing test, never reached by a passing one)."""
+    deadline = time.monotonic() + 60
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never reached: {what}")
+        time.sleep(0.05)
 
 
 def _open_files(pid: int) -> set[str]:
@@ -46,8 +51,7 @@ def test_scan_follows_every_descendant_of_the_roots_and_nothing_else() -> None:
     other = _sleeper()
     try:
         tree = psutil.Process(root.pid)
-        while len(tree.children(recursive=True)) < 3:  # the grandchildren are up
-            psutil.wait_procs([], timeout=0.05)
+        _until(lambda: len(tree.children(recursive=True)) >= 3, "the grandchildren are up")
         known: dict[int, float] = {}
         reaper._scan([root.pid], known)
         want = {root.pid, *(c.pid for c in tree.children(recursive=True))}
@@ -67,8 +71,7 @@ def test_the_driver_exiting_stops_the_watch_and_kills_the_followed_tree() -> Non
     )
     try:
         tree = psutil.Process(root.pid)
-        while not tree.children():
-            psutil.wait_procs([], timeout=0.05)
+        _until(lambda: bool(tree.children()), "the root's child is up")
         followed = [root.pid, *(c.pid for c in tree.children(recursive=True))]
         _wait_until_watching(watcher.pid)
         driver.kill()
