@@ -57,12 +57,12 @@ def _attention_record(backend: str) -> dict[str, Any]:
     }
 
 
-def _rms_norm_record(triton_like: bool) -> dict[str, Any]:
+def _rms_norm_record(triton_like: bool, off_cpu: bool) -> dict[str, Any]:
     common = {"accumulate": "fp32", "round": "normed_to_input_dtype_then_weight_mul"}
     if triton_like:
         return {"impl": "triton_row", "sum_chunk": None, **common}
     torch_row = {"impl": "torch_row", "sum_chunk": reduce.SUM_CHUNK, **common}
-    if torch.cuda.is_available():
+    if off_cpu:
         return torch_row
     # CPU: fp32 rows take the compiled kernel; other dtypes (bf16) the torch spelling
     return {"fp32": {"impl": "cpp_row", "sum": "16_lane_fma_then_halving_fold", **common}, **torch_row}
@@ -80,7 +80,7 @@ def describe_invariant(backend: str) -> dict[str, Any]:
         "name": "invariant",
         "backend": backend,
         "linear": _linear_record(backend),
-        "rms_norm": _rms_norm_record(triton_like),
+        "rms_norm": _rms_norm_record(triton_like, off_cpu),
         "rope": {
             # the compiled kernel on CPU: the torch spelling's IEEE operations, in its order
             "impl": "torch_elementwise" if off_cpu else "cpp_elementwise",

@@ -21,7 +21,7 @@ constexpr int64_t kExpLanes = 8;  // floats per exp8 call
 // exp for fp32, computed in double: x / ln2 = k / 32 + r, exp(x) = 2^(k/32) * p(r) with a cubic p, rounded to
 // float once. This is the algorithm of glibc's expf (2.28 and later) with its fma-contracted evaluation, and
 // it gives the same float as that expf on every input (checked on all 2^32 floats against glibc 2.36's
-// libm on an AVX2/FMA machine: bench/exp_exhaustive.py). Written out here so the attention's bits do not depend
+// libm on an AVX2/FMA machine: bench/exp_exhaustive.py). Written out here so the kernels' bits do not depend
 // on which C library or which of its variants a machine has, and so eight can be computed at once.
 constexpr uint64_t kExp2Table[32] = {  // bits of 2^(i/32), correctly rounded, minus i << 47
     0x3ff0000000000000ULL, 0x3fefd9b0d3158574ULL, 0x3fefb5586cf9890fULL, 0x3fef9301d0125b51ULL,
