@@ -23,6 +23,7 @@ std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const to
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor& u, bool keep_denom);
 torch::Tensor transpose(const torch::Tensor& a);
+torch::Tensor gumbel(const torch::Tensor& seeds, int64_t vocab);
 bool vectorised();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -42,5 +43,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attention_backward", &attention_backward, "(dq, dk, dv) of attention over the batch's own K/V");
   mod.def("exp", &exp_f32_tensor, "the attention softmax's fp32 exp, elementwise (tests)");
   mod.def("transpose", &transpose, "a.T as a new contiguous tensor (fp32 [M, N] -> [N, M])");
+  mod.def("gumbel", &gumbel, "seeded Gumbel noise [N, vocab], row i from seeds[i] alone (SplitMix64)");
   mod.def("vectorised", &vectorised, "whether the AVX2/FMA path was compiled");
 }

@@ -53,16 +53,17 @@ def sampler_head(
 
 
 def gumbel_noise(seeds: Tensor, vocab: int) -> Tensor:
-    """Gumbel noise ``[N, vocab]``, row ``i`` drawn from its own generator seeded with ``seeds[i]``.
+    """Gumbel noise ``[N, vocab]`` (fp32, CPU), row ``i`` drawn from ``seeds[i]`` alone.
 
-    Per-row generators make a draw depend only on (seed, sequence, step), not on the batch around it.
+    Element ``j`` of a row is SplitMix64's ``(j + 1)``-th output from the row's seed, its top 52 bits a
+    uniform ``u`` in (0, 1), the noise ``-log(-log(u))`` in double (the compiled kernel
+    ``kernels/csrc/sampling.cpp``, one pass over the batch). So a draw depends only on (seed, sequence,
+    step), not on the batch around it.
     """
-    rows = []
-    for s in seeds.tolist():
-        g = torch.Generator().manual_seed(int(s))
-        u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-20, 1.0)
-        rows.append(-torch.log(-torch.log(u)).float())
-    return torch.stack(rows)
+    from rlfw.kernels import cpu_native
+
+    noise: Tensor = cpu_native.module().gumbel(seeds.to(device="cpu", dtype=torch.long), vocab)
+    return noise
 
 
 def draw(processed: Tensor, seeds: Tensor) -> Tensor:
