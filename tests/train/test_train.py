@@ -114,17 +114,19 @@ def test_fp8_sampler_moves_only_the_sampler_factor(root: Path) -> None:
 @pytest.mark.slow
 def test_two_zero3_ranks_train_like_one_rank(root: Path) -> None:
     """Sharding the batch over ranks must not change the step: the loss is normalised by the global token
-    count and gradients are summed over ranks (not averaged), so one rank and two give the same update."""
-    one = run_train(
-        root, "one_rank", *SMALL, "trainer.steps=2", "trainer.num_ranks=1", "trainer.zero_stage=1"
-    )
-    two = run_train(root, "zero3", *SMALL, "trainer.steps=2", "trainer.num_ranks=2", "trainer.zero_stage=3")
+    count and gradients are summed over ranks (not averaged), so one rank and two give the same update.
+    Eight groups a step and a longer warm start (reward about 0.15 rather than 0.05), so that some group's
+    rewards differ and every step has a gradient to compare: with SMALL's four groups of a model that
+    rarely scores, a step whose groups all tie (zero advantage, zero gradient) is a matter of the seed."""
+    size = [*SMALL, "algo.prompts_per_step=8", "task.warm_start_steps=40", "trainer.steps=2"]
+    one = run_train(root, "one_rank", *size, "trainer.num_ranks=1", "trainer.zero_stage=1")
+    two = run_train(root, "zero3", *size, "trainer.num_ranks=2", "trainer.zero_stage=3")
     assert one.returncode == 0 and two.returncode == 0, two.log[-3000:]
     for a, b in zip(one.metrics(), two.metrics(), strict=True):
         assert _factor(b, "trainer") == 0.0 and a["reward/mean"] == b["reward/mean"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-9)
         assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=1e-5, abs=1e-9)
-    assert one.metrics()[0]["grad_norm"] > 0
+    assert all(r["grad_norm"] > 0 for r in one.metrics())
 
 
 @pytest.mark.slow
