@@ -6,6 +6,7 @@ Every op on the log-probability path goes through ``ctx.ops``, so one switch pic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -38,24 +39,36 @@ class ForwardContext:
     def valid(self) -> Tensor:
         return self.positions >= 0
 
+    @cached_property
+    def _kv_writes(self) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+        """Where each valid token's K/V goes, the same for every layer (so found once per forward): its
+        ``(row, column)`` in the batch, the destination row (cache slot, or batch row without a cache) and
+        position, and the span of positions a cache-less buffer needs."""
+        valid = self.valid
+        rows, cols = valid.nonzero(as_tuple=True)
+        pos = self.positions[rows, cols]
+        dest = rows if self.cache is None else self._slots[rows]
+        span = int(self.positions.max().item()) + 1 if self.cache is None and len(rows) else 1
+        return rows, cols, dest, pos, span
+
+    @property
+    def _slots(self) -> Tensor:
+        assert self.slots is not None, "a forward over an engine's KV cache needs the batch's slots"
+        return self.slots
+
     def store_kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Write this step's K/V ``[B, T, H_kv, D]`` at their positions; return the caches to attend over
         and which of their rows each batch entry reads: the whole engine cache and the batch's slots (read
         in place, nothing gathered), or, without a cache, a ``[B, S, H_kv, D]`` buffer and None."""
-        valid = self.valid
-        rows, cols = valid.nonzero(as_tuple=True)
-        pos = self.positions[rows, cols]
+        rows, cols, dest, pos, span = self._kv_writes
         if self.cache is None:
-            span = int(self.positions.max().item()) + 1 if valid.any() else 1
             shape = (k.shape[0], span, k.shape[2], k.shape[3])
-            k_all = k.new_zeros(shape).index_put((rows, pos), k[rows, cols])
-            v_all = v.new_zeros(shape).index_put((rows, pos), v[rows, cols])
+            k_all = k.new_zeros(shape).index_put((dest, pos), k[rows, cols])
+            v_all = v.new_zeros(shape).index_put((dest, pos), v[rows, cols])
             return k_all, v_all, None
-        assert self.slots is not None
-        slot_rows = self.slots[rows]
-        self.cache.k[layer][slot_rows, pos] = k[rows, cols]
-        self.cache.v[layer][slot_rows, pos] = v[rows, cols]
-        return self.cache.k[layer], self.cache.v[layer], self.slots
+        self.cache.k[layer][dest, pos] = k[rows, cols]
+        self.cache.v[layer][dest, pos] = v[rows, cols]
+        return self.cache.k[layer], self.cache.v[layer], self._slots
 
 
 class Linear(nn.Module):
