@@ -1,7 +1,8 @@
 """How close the compiled linear comes to one core's fp32 peak.
 
 The peak: 24 independent chains of 16-lane (or, without AVX-512, 8-lane) fmas in registers, compiled
-here with the flags the kernels use, so it counts what the core can issue and nothing about memory. Then
+here with -O3 -march=native (the kernels' target), so it counts what the core can issue and nothing
+about memory. Then
 the packed linear (what an engine runs between weight updates) and torch's ``x @ w.T`` on the 13M and
 76M models' shapes, warm, best of ``--reps``, one thread.
 
