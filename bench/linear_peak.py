@@ -4,7 +4,8 @@ The peak: 24 independent chains of 16-lane (or, without AVX-512, 8-lane) fmas in
 here with -O3 -march=native (the kernels' target), so it counts what the core can issue and nothing
 about memory. Then
 the packed linear (what an engine runs between weight updates) and torch's ``x @ w.T`` on the 13M and
-76M models' shapes, warm, best of ``--reps``, one thread.
+76M models' shapes, warm, one thread: medians of ``--reps`` runs, the two alternated
+(``paired.paired_medians``) so that machine noise hits both alike.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/linear_peak.py
 """
@@ -12,17 +13,18 @@ the packed linear (what an engine runs between weight updates) and torch's ``x @
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from paired import paired_medians  # noqa: E402
 
 from kernels import cpu_native  # noqa: E402
 
@@ -66,16 +68,6 @@ SHAPES = {  # (rows, K, N): a decode step of 64 sequences and a 4160-token resco
 }
 
 
-def best(fn: Callable[..., object], reps: int, *args: object) -> float:
-    fn(*args)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
@@ -97,8 +89,12 @@ def main() -> None:
             x, w = torch.randn(m, k), torch.randn(n, k)
             panels = native.pack(w)
             flop = 2.0 * m * k * n
-            ours = flop / best(native.linear_packed, args.reps, x, panels, n) / 1e9
-            theirs = flop / best(torch.matmul, args.reps, x, w.T) / 1e9
+            t_ours, t_torch = paired_medians(
+                functools.partial(native.linear_packed, x, panels, n),
+                functools.partial(torch.matmul, x, w.T),
+                args.reps,
+            )
+            ours, theirs = flop / t_ours / 1e9, flop / t_torch / 1e9
             rows.append({"model": size, "rows": m, "K": k, "N": n, "rlfw_packed": ours, "torch": theirs})
             print(
                 f"{size} [{m} x {k}] @ [{k} x {n}]: rlfw packed {ours:6.1f} GFLOP/s ({ours / peak:.0%} of "

@@ -99,6 +99,9 @@ class EngineConfig:
     # up front (else the cache grows with the longest sequence it has held)
     kv_policy: str = "keep"  # after an in-flight weight update: keep the stale KV cache | recompute it
     in_flight: bool = False  # weight updates may land between decode steps of unfinished sequences
+    in_flight_at_step: int | None = None  # with in_flight: an update sent during a generation lands
+    # after exactly this engine step of it (the generation waits there until the trainer's push arrives or
+    # the driver collects it); null: as soon as it arrives, where timing puts it
     seed: int = 0  # sampling seed
     prefill_fraction: float = 1.0  # share of sequences given the prefill stream (< 1 needs the contract)
     ignore_eos: bool = False  # never stop at the tokenizer's eos: every response runs to max_new_tokens
@@ -117,6 +120,13 @@ class EngineConfig:
         check_range("engine.max_model_len", self.max_model_len, lo=2)
         check_range("engine.seed", self.seed, lo=0)
         check_range("engine.cpu_threads", self.cpu_threads, lo=0)
+        if self.in_flight_at_step is not None:
+            check_range("engine.in_flight_at_step", self.in_flight_at_step, lo=1)
+            if not self.in_flight:
+                raise ConfigError(
+                    "engine.in_flight_at_step is set but engine.in_flight=false: set engine.in_flight=true "
+                    "(updates then land inside a generation at that step) or engine.in_flight_at_step=null"
+                )
         if self.name == "vllm" and self.sampler.precision != "fp32" and self.vllm.model != "rlfw":
             raise ConfigError(
                 f"engine.sampler.precision={self.sampler.precision!r} with engine=vllm needs the shared "

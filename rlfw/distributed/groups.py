@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ class PendingGeneration:
     shards: list[GenerationRequest]
     futures: list[Any]  # ObjectRefs of SampleBatch
     actors: list[Any]  # the actor handle each shard went to
+    ticket: int | None = None  # the hold ticket the shards wait on (engine.in_flight_at_step)
 
 
 class RolloutGroup:
@@ -60,6 +62,8 @@ class RolloutGroup:
         """``ledger``: the core ledger's path under ``lend_idle_cores=true`` (actor ``i`` sits in seat
         ``i``)."""
         self.pool, self.args = pool, (spec, engine_cfg, stop_ids, contract_hash)
+        self.holds = engine_cfg.in_flight_at_step is not None  # generations wait for updates (submit)
+        self.tickets = itertools.count()
         self.ledger = ledger
         self.actors: list[Any] = [self._spawn(i) for i in range(pool.size)]  # actor handles
         self.latest: Any = None  # ObjectRef of the last WeightUpdate, loaded into replacements
@@ -90,16 +94,23 @@ class RolloutGroup:
     def generate(self, request: GenerationRequest) -> list[Sample]:
         return self.collect(self.submit(request))
 
-    def submit(self, request: GenerationRequest) -> PendingGeneration:
+    def submit(self, request: GenerationRequest, hold: bool = False) -> PendingGeneration:
         """Start generating without waiting: each actor runs its shard at the version it holds now. An
-        update sent later waits for the shard, or lands inside it with ``engine.in_flight=true``."""
+        update sent later waits for the shard, or lands inside it with ``engine.in_flight=true``.
+        ``hold``: with ``engine.in_flight_at_step``, the shards wait at that step for the next update
+        until :meth:`collect` (see :mod:`rlfw.distributed.rollout_worker`)."""
         shards = split_request(request, len(self.actors))
         actors = list(self.actors[: len(shards)])
-        futures = [a.generate.remote(s) for a, s in zip(actors, shards, strict=True)]
-        return PendingGeneration(shards, futures, actors)
+        ticket = next(self.tickets) if hold and self.holds else None
+        futures = [a.generate.remote(s, ticket) for a, s in zip(actors, shards, strict=True)]
+        return PendingGeneration(shards, futures, actors, ticket)
 
     def collect(self, pending: PendingGeneration) -> list[Sample]:
-        """Wait for a submitted request; a shard whose actor died is re-issued to its replacement."""
+        """Wait for a submitted request; a shard whose actor died is re-issued to its replacement.
+        Every push meant for it has been sent by now, so a shard held for one is released first."""
+        if pending.ticket is not None:
+            for actor in pending.actors:
+                actor.release.remote(pending.ticket)
         samples: list[Sample] = []
         for i, (shard, future) in enumerate(zip(pending.shards, pending.futures, strict=True)):
             try:

@@ -10,6 +10,12 @@ What happens to it then is the engine's ``in_flight`` setting:
   (``kv_policy=keep``) or on a recomputed one (``recompute``), and every token records its version. The
   call returns once the weights are loaded.
 
+  Where the update lands is where timing puts it, unless ``engine.in_flight_at_step=k``: a generation
+  submitted with a hold ticket then loads an update only after its k-th engine step, and waits there
+  until one arrives, the driver releases its ticket (:meth:`RolloutWorker.release`, called before the
+  driver collects it: by then every push meant for it has been sent) or another generation queues behind
+  it. Each update then lands at the same place in its generation, whatever the two sides' speeds.
+
 A lock around the engine makes the two calls take turns: the generation thread owns the engine while it
 runs; the update thread touches it only when no generation runs, or through the hand-over slot.
 """
@@ -59,6 +65,11 @@ class RolloutWorker:
         self._handed: WeightUpdate | None = None  # an update for the generation loop to load
         self._handed_error: BaseException | None = None  # what loading it raised, for the caller
         self.in_flight_updates = 0
+        self.land_at = engine_cfg.in_flight_at_step
+        self._steps = 0  # engine steps of the running generation
+        self._ticket: int | None = None  # the running generation's hold ticket (it waits at land_at)
+        self._released = -1  # tickets up to this one are released (the driver collects them)
+        self._queued = 0  # generate calls waiting for the running one
 
     def _checkpoint(self, spec: ModelSpec) -> str:
         """vLLM loads from a folder: a preset model is written to a temporary one for this actor."""
@@ -70,10 +81,17 @@ class RolloutWorker:
         save_pretrained(spec.build(), self._tmp.name)
         return self._tmp.name
 
-    def generate(self, request: GenerationRequest) -> SampleBatch:
+    def generate(self, request: GenerationRequest, hold: int | None = None) -> SampleBatch:
+        """Generate ``request`` at the held version (updates may land inside it, see the module
+        docstring). ``hold``: a ticket; with ``engine.in_flight_at_step`` the generation waits at that
+        step for an update until the ticket is released."""
         with self._turn:
+            self._queued += 1
+            self._turn.notify_all()  # a held generation stops waiting for one queued behind it
             self._turn.wait_for(lambda: not self._generating)
-            self._generating = True
+            self._queued -= 1
+            self._generating, self._steps = True, 0
+            self._ticket = hold if self.land_at is not None else None
         try:
             with working(self.cores):
                 if self.in_flight:
@@ -87,8 +105,15 @@ class RolloutWorker:
         return SampleBatch.pack(samples)
 
     def _load_handed(self, engine: Engine) -> None:
-        """Between two decode steps: load an update the update thread handed over."""
+        """Between two engine steps: load an update the update thread handed over (with
+        ``engine.in_flight_at_step``, not before that step; at it, a held generation waits for one)."""
         with self._turn:
+            self._steps += 1
+            self._turn.notify_all()  # for whoever waits on the generation's progress
+            if self.land_at is not None and self._steps < self.land_at:
+                return
+            if self._steps == self.land_at:
+                self._turn.wait_for(lambda: self._handed is not None or not self._held())
             if self._handed is None:
                 return
             try:
@@ -97,6 +122,17 @@ class RolloutWorker:
             except Exception as e:  # refused (contract, version): the caller raises it, generation goes on
                 self._handed_error = e
             self._handed = None
+            self._turn.notify_all()
+
+    def _held(self) -> bool:
+        ticket = self._ticket
+        return ticket is not None and ticket > self._released and self._queued == 0
+
+    def release(self, ticket: int) -> None:
+        """No further update is coming for the generation holding ``ticket`` (or an earlier one): it
+        does not wait for one. It may not have started yet; it then does not wait when it does."""
+        with self._turn:
+            self._released = max(self._released, ticket)
             self._turn.notify_all()
 
     def update_weights(self, update: WeightUpdate) -> int:
@@ -110,6 +146,7 @@ class RolloutWorker:
             self._turn.wait_for(lambda: self._handed is None)
             if self._generating and self.in_flight:
                 self._handed = update
+                self._turn.notify_all()  # a generation held at engine.in_flight_at_step waits for it
                 self._turn.wait_for(lambda: self._handed is None or not self._generating)
                 if self._handed is None:
                     error, self._handed_error = self._handed_error, None

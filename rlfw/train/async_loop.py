@@ -52,7 +52,7 @@ class InFlight:
 def submit(d: Driver, step: int, clock: SyncClock) -> InFlight:
     """Send step ``step``'s prompts to the engines without waiting; they run at the version held now."""
     problems, request = step_prompts(d, step)
-    return InFlight(step, problems, d.rollout.submit(request), clock.engine_version)
+    return InFlight(step, problems, d.rollout.submit(request, hold=True), clock.engine_version)
 
 
 def resync(d: Driver, clock: SyncClock, lag_ess: float) -> bool:
@@ -73,7 +73,7 @@ def start(d: Driver, steps: range, depth: int) -> tuple[SyncClock, deque[InFligh
     was submitted at, that step is submitted again (its seed depends only on the step, so it draws the
     same samples), then the engines move to the version they held after the checkpointed step. The run
     then continues exactly as it would have (with ``engine.in_flight=false``; in-flight updates land
-    where timing puts them)."""
+    where timing puts them, unless ``engine.in_flight_at_step`` fixes the step)."""
     st = d.state
     if st.pending_version is None or st.engine_version is None:
         clock = SyncClock(st.version, st.version, resyncs=st.resyncs)

@@ -12,6 +12,7 @@ from rlfw.config import EngineConfig
 from rlfw.distributed.rollout_worker import RolloutWorker
 from rlfw.distributed.specs import ModelSpec
 from rlfw.types import GenerationRequest, SampleBatch, WeightUpdate
+from rlfw.validation import ConfigError
 
 SPEC = ModelSpec(path=None, preset="tiny_dense", dtype="float32", kernels="invariant", seed=0)
 
@@ -67,3 +68,82 @@ def test_a_refused_in_flight_update_raises_to_its_caller_and_generation_goes_on(
     with pytest.raises(Exception, match="contract"):
         _run_with_update(worker, _update(1, contract_hash="other"))
     assert worker.engine.version == 0 and worker.engine.finished()
+
+
+def _held_worker(at_step: int) -> RolloutWorker:
+    cfg = EngineConfig(max_slots=8, max_model_len=64, in_flight=True, in_flight_at_step=at_step)
+    return RolloutWorker(SPEC, cfg, stop_ids=[], contract_hash="h")
+
+
+def _start_held(worker: RolloutWorker, ticket: int | None) -> tuple[threading.Thread, dict[str, SampleBatch]]:
+    request = GenerationRequest(list(range(4)), [torch.arange(4, 9)] * 4, n=2, max_new_tokens=20, seed=1)
+    out: dict[str, SampleBatch] = {}
+    thread = threading.Thread(target=lambda: out.setdefault("batch", worker.generate(request, ticket)))
+    thread.start()
+    return thread, out
+
+
+def _wait_at_step(worker: RolloutWorker, step: int) -> None:
+    """Until the generation has run ``step`` engine steps (and, when held, waits there)."""
+    with worker._turn:
+        worker._turn.wait_for(lambda: worker._steps >= step)
+
+
+def test_in_flight_at_step_lands_the_update_after_exactly_that_step() -> None:
+    """engine.in_flight_at_step=5: the held generation waits after its fifth step for the push, which is
+    sent only once it waits there; every sequence has 5 tokens at version 0, the rest at version 1."""
+    worker = _held_worker(5)
+    thread, out = _start_held(worker, ticket=0)
+    _wait_at_step(worker, 5)
+    assert worker.update_weights(_update(1)) == 1
+    thread.join()
+    for s in out["batch"].unpack():
+        assert s.version_T.tolist() == [0] * 5 + [1] * (len(s.version_T) - 5)
+
+
+def test_an_update_sent_early_waits_for_the_step() -> None:
+    """The push arrives before the generation reaches the step: it still lands after step 5, not earlier.
+    The push is sent from a second thread as soon as the generation has run one step; the generation does
+    not move past step 5 without it, so where it lands does not depend on the two threads' speeds."""
+    worker = _held_worker(5)
+    thread, out = _start_held(worker, ticket=0)
+    _wait_at_step(worker, 1)
+    assert worker.update_weights(_update(1)) == 1
+    thread.join()
+    for s in out["batch"].unpack():
+        assert s.version_T.tolist() == [0] * 5 + [1] * (len(s.version_T) - 5)
+
+
+@pytest.mark.parametrize("when", ["before it starts", "while it waits"])
+def test_a_released_ticket_generates_without_waiting(when: str) -> None:
+    """The driver releases a generation's ticket before collecting it (no push is coming): the release
+    frees a generation waiting at the step, and one released before it started never waits."""
+    worker = _held_worker(5)
+    if when == "before it starts":
+        worker.release(0)
+    thread, out = _start_held(worker, ticket=0)
+    if when == "while it waits":
+        _wait_at_step(worker, 5)
+        worker.release(0)
+    thread.join()
+    assert all(int(s.version_T.max()) == 0 for s in out["batch"].unpack())
+    assert worker.in_flight_updates == 0
+
+
+def test_a_generation_queued_behind_a_held_one_releases_it() -> None:
+    """Evaluation asks for a generation while the step's one waits for a push that is not coming: the
+    held one goes on, then the queued one runs."""
+    worker = _held_worker(5)
+    thread, out = _start_held(worker, ticket=0)
+    _wait_at_step(worker, 5)
+    request = GenerationRequest([9], [torch.arange(4, 9)], n=1, max_new_tokens=4, seed=2)
+    later = worker.generate(request).unpack()
+    thread.join()
+    assert len(out["batch"].unpack()) == 8 and len(later) == 1
+
+
+def test_in_flight_at_step_needs_in_flight() -> None:
+    with pytest.raises(ConfigError, match="engine.in_flight=true"):
+        EngineConfig(in_flight_at_step=3)
+    with pytest.raises(ConfigError, match="in_flight_at_step"):
+        EngineConfig(in_flight=True, in_flight_at_step=0)

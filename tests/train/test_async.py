@@ -224,10 +224,13 @@ def test_lending_idle_cores_changes_no_value_the_run_logs(root: Path) -> None:
 @pytest.mark.parametrize("engine", ["native", "vllm"])
 @pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
 def test_in_flight_updates_end_to_end(root: Path, engine: str, kv_policy: str) -> None:
-    """engine.in_flight=true: pushes land inside the generation in flight (long responses make sure of
-    it), samples carry two versions, and on tokens drawn at their sequence's final version the decode
-    factor is the KV cache alone: exactly 0 recomputed, non-zero kept stale. In the built-in engine and
-    in vLLM (driven step by step, its running requests preempted and prefilled again to recompute)."""
+    """engine.in_flight=true: pushes land inside the generation in flight, samples carry two versions,
+    and on tokens drawn at their sequence's final version the decode factor is the KV cache alone:
+    exactly 0 recomputed, non-zero kept stale. In the built-in engine and in vLLM (driven step by step,
+    its running requests preempted and prefilled again to recompute). ``engine.in_flight_at_step=2``
+    makes each generation wait after its second step for the push the trainer sends during it, so that
+    every step after the first has samples spanning two versions (the tiny model's answers are a few
+    tokens long), whichever side is faster."""
     run = run_train(
         root,
         f"in_flight_{engine}_{kv_policy}",
@@ -241,12 +244,13 @@ def test_in_flight_updates_end_to_end(root: Path, engine: str, kv_policy: str) -
         "sync=async",
         "sync.policy=every_step",
         "engine.in_flight=true",
+        "engine.in_flight_at_step=2",
         f"engine.kv_policy={kv_policy}",
     )
     assert run.returncode == 0, run.log[-3000:]
     rows = run.metrics()
     spanning = [r for r in rows if r["sync/in_flight_samples"] > 0]
-    assert spanning, "no update landed inside a generation; the test would prove nothing"
+    assert [r["step"] for r in spanning] == [r["step"] for r in rows[1:]], "a push missed its generation"
     for row in rows:
         assert _accounted(row) and row["sync/version_gap_max"] <= 4
         if kv_policy == "recompute":
