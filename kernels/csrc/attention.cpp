@@ -34,6 +34,23 @@ using rlfw_exp::exp8;
 
 constexpr int64_t kLanes = 8;
 
+// Where a layout keeps every head's K (or V) row of position i contiguously, at base + i * stride floats,
+// the walk asks for the rows it will read a few positions ahead (a software prefetch: it moves no data the
+// arithmetic sees, so no bit depends on it). The slotted cache has that layout; the paged one passes none.
+struct Ahead {
+  const float* base = nullptr;
+  int64_t stride = 0;  // floats per position
+  // Positions lo .. hi - 1 (clipped to < n) toward L2 (locality 1: the rows being read keep L1).
+  void operator()(int64_t lo, int64_t hi, int64_t n) const {
+    if (base == nullptr || lo >= n) return;
+    const char* a = reinterpret_cast<const char*>(base + lo * stride);
+    const char* b = reinterpret_cast<const char*>(base + std::min(hi, n) * stride);
+    for (; a < b; a += 64) __builtin_prefetch(a, 0, 1);
+  }
+};
+constexpr int64_t kAheadK = 16;  // positions of K requested ahead of the score walk
+constexpr int64_t kAheadV = 16;  // positions of V requested ahead of the weighted sum
+
 // e[i] = exp_f32(e[i] - m) for i < n.
 inline void exp_shifted(float* e, int64_t n, float m) {
   int64_t i = 0;
@@ -122,11 +139,14 @@ inline void weighted_sum(const float* e, int64_t i0, int64_t i1, const Value& va
 // same fma chain in the same order.
 template <typename Key, typename Value>
 inline void attend(const float* q, int64_t nh, int64_t group, int64_t p, int64_t d, float sc, const Key& key,
-                   const Value& value, float* e, float* acc, float* denom, float* out) {
+                   const Value& value, float* e, float* acc, float* denom, float* out, const Ahead& k_ahead = {},
+                   const Ahead& v_ahead = {}) {
   const int64_t n = p + 1;
   int64_t i = 0;
+  k_ahead(0, kAheadK, n);
 #if RLFW_AVX2
   for (; i + kLanes <= n; i += kLanes) {
+    k_ahead(i + kAheadK, i + kAheadK + kLanes, n);
     for (int64_t h = 0; h < nh; ++h) {
       const float* keys[kLanes];
       for (int64_t k = 0; k < kLanes; ++k) keys[k] = key(i + k, h / group, k);
@@ -138,6 +158,7 @@ inline void attend(const float* q, int64_t nh, int64_t group, int64_t p, int64_t
 #endif
   for (; i < n; ++i)
     for (int64_t h = 0; h < nh; ++h) e[h * n + i] = dot(q + h * d, key(i, h / group, 0), d) * sc;
+  v_ahead(0, kAheadV, n);
   for (int64_t h = 0; h < nh; ++h) {
     float* eh = e + h * n;
     float m = -INFINITY;
@@ -151,6 +172,7 @@ inline void attend(const float* q, int64_t nh, int64_t group, int64_t p, int64_t
   constexpr int64_t kChunk = 16;  // positions whose V rows stay in L1 while every head walks them
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t c1 = std::min(c0 + kChunk, n);
+    v_ahead(c0 + kAheadV, c1 + kAheadV, n);
     for (int64_t h = 0; h < nh; ++h) {
       const float* eh = e + h * n;
       float* ah = acc + h * d;
@@ -216,7 +238,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       const auto key = [&](int64_t i, int64_t kvh, int64_t) { return krow + (i * hkv + kvh) * d; };
       const auto value = [&](int64_t i, int64_t kvh) { return vrow + (i * hkv + kvh) * d; };
       attend(qp + task * hq * d, hq, group, p, d, sc, key, value, e.data(), acc.data(),
-             denom.data(), op + task * hq * d);
+             denom.data(), op + task * hq * d, Ahead{krow, hkv * d}, Ahead{vrow, hkv * d});
     }
   });
   return out;
