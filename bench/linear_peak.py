@@ -2,10 +2,9 @@
 
 The peak: 24 independent chains of 16-lane (or, without AVX-512, 8-lane) fmas in registers, compiled
 here with -O3 -march=native (the kernels' target), so it counts what the core can issue and nothing
-about memory. Then
-the packed linear (what an engine runs between weight updates) and torch's ``x @ w.T`` on the 13M and
-76M models' shapes, warm, one thread: medians of ``--reps`` runs, the two alternated
-(``paired.paired_medians``) so that machine noise hits both alike.
+about memory. Then the packed linear (what an engine runs between weight updates) and torch's ``x @ w.T``
+on the 13M and 76M models' shapes, warm, one thread: medians of ``--reps`` runs, the two alternated
+(``paired.paired_medians``) so that machine noise hits both alike. The peak is timed once, before them.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/linear_peak.py
 """

@@ -91,7 +91,7 @@ class RolloutWorker:
             self._turn.wait_for(lambda: not self._generating)
             self._queued -= 1
             self._generating, self._steps = True, 0
-            self._ticket = hold if self.land_at is not None else None
+            self._ticket = hold  # consulted only at step land_at
         try:
             with working(self.cores):
                 if self.in_flight:

@@ -89,25 +89,15 @@ def _wait_at_step(worker: RolloutWorker, step: int) -> None:
         worker._turn.wait_for(lambda: worker._steps >= step)
 
 
-def test_in_flight_at_step_lands_the_update_after_exactly_that_step() -> None:
-    """engine.in_flight_at_step=5: the held generation waits after its fifth step for the push, which is
-    sent only once it waits there; every sequence has 5 tokens at version 0, the rest at version 1."""
+@pytest.mark.parametrize("sent_after", [5, 1])
+def test_in_flight_at_step_lands_the_update_after_exactly_that_step(sent_after: int) -> None:
+    """engine.in_flight_at_step=5: the push lands after the fifth step whether it is sent once the
+    generation waits there (5) or early, from a second thread as soon as it has run one step (1): the
+    generation does not move past step 5 without it, and does not load it before. Every sequence has 5
+    tokens at version 0, the rest at version 1, whatever the two threads' speeds."""
     worker = _held_worker(5)
     thread, out = _start_held(worker, ticket=0)
-    _wait_at_step(worker, 5)
-    assert worker.update_weights(_update(1)) == 1
-    thread.join()
-    for s in out["batch"].unpack():
-        assert s.version_T.tolist() == [0] * 5 + [1] * (len(s.version_T) - 5)
-
-
-def test_an_update_sent_early_waits_for_the_step() -> None:
-    """The push arrives before the generation reaches the step: it still lands after step 5, not earlier.
-    The push is sent from a second thread as soon as the generation has run one step; the generation does
-    not move past step 5 without it, so where it lands does not depend on the two threads' speeds."""
-    worker = _held_worker(5)
-    thread, out = _start_held(worker, ticket=0)
-    _wait_at_step(worker, 1)
+    _wait_at_step(worker, sent_after)
     assert worker.update_weights(_update(1)) == 1
     thread.join()
     for s in out["batch"].unpack():
