@@ -40,11 +40,15 @@ def _run_with_update(worker: RolloutWorker, update: WeightUpdate) -> tuple[list,
 
 @pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
 def test_in_flight_update_lands_between_decode_steps(kv_policy: str) -> None:
-    cfg = EngineConfig(max_slots=8, max_model_len=64, in_flight=True, kv_policy=kv_policy)
-    worker = RolloutWorker(SPEC, cfg, stop_ids=[], contract_hash="h")
-    samples, version = _run_with_update(worker, _update(1))
-    assert version == 1 and worker.in_flight_updates == 1
-    for s in samples:  # every sequence started at 0 and finished at 1: the update landed inside it
+    """The push lands inside the generation (held at step 5 until it arrives, so whichever thread is
+    faster, every sequence spans it), and what the sequences continue on depends on ``kv_policy``."""
+    worker = _held_worker(5, kv_policy)
+    thread, out = _start_held(worker, ticket=0)
+    _wait_at_step(worker, 5)
+    assert worker.update_weights(_update(1)) == 1
+    thread.join()
+    assert worker.in_flight_updates == 1
+    for s in out["batch"].unpack():  # every sequence started at 0 and finished at 1
         assert s.version_T[0] == 0 and s.version_T[-1] == 1 and s.final_version == 1
         kv_old = s.kv_version_T[s.version_T == 1]
         assert bool((kv_old == 0).all()) if kv_policy == "keep" else bool((kv_old == 1).all())
@@ -70,8 +74,10 @@ def test_a_refused_in_flight_update_raises_to_its_caller_and_generation_goes_on(
     assert worker.engine.version == 0 and worker.engine.finished()
 
 
-def _held_worker(at_step: int) -> RolloutWorker:
-    cfg = EngineConfig(max_slots=8, max_model_len=64, in_flight=True, in_flight_at_step=at_step)
+def _held_worker(at_step: int, kv_policy: str = "keep") -> RolloutWorker:
+    cfg = EngineConfig(
+        max_slots=8, max_model_len=64, in_flight=True, in_flight_at_step=at_step, kv_policy=kv_policy
+    )
     return RolloutWorker(SPEC, cfg, stop_ids=[], contract_hash="h")
 
 
