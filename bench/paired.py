@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -16,14 +16,21 @@ def _sync() -> None:
 
 def paired_medians(a: Callable[[], None], b: Callable[[], None], reps: int) -> tuple[float, float]:
     """Median seconds of ``a`` and of ``b`` over ``reps`` alternating runs, after one warm-up each."""
-    a(), b()
-    ta: list[float] = []
-    tb: list[float] = []
+    ta, tb = alternated_medians([a, b], reps)
+    return ta, tb
+
+
+def alternated_medians(workloads: Sequence[Callable[[], object]], reps: int) -> list[float]:
+    """Median seconds of each workload over ``reps`` rounds that run every workload once, in order, after
+    one warm-up each."""
+    for f in workloads:
+        f()
+    times: list[list[float]] = [[] for _ in workloads]
     for _ in range(reps):
-        for f, acc in ((a, ta), (b, tb)):
+        for f, acc in zip(workloads, times, strict=True):
             _sync()
             t0 = time.perf_counter()
             f()
             _sync()
             acc.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
+    return [statistics.median(t) for t in times]
