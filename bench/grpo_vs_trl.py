@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -50,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import machine
 
 PROMPTS, GROUP, TOKENS, LR = 16, 4, 64, 1e-3
 
@@ -215,7 +216,7 @@ def main() -> None:
         if s != "trl" and "trl" in s_per_step
     }
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine.describe(),
         "trl_threads": a.trl_threads,
         "steps_per_run": a.steps,
         "rounds": a.rounds,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import machine  # noqa: E402
 from paired import alternated_medians  # noqa: E402
 
 from kernels import cpu_native  # noqa: E402
@@ -78,17 +78,6 @@ SHAPES = {  # (rows, K, N): a decode step of 64 sequences and a 4160-token resco
 PEAK_ITERS = 4_000_000  # about 10 ms of fmas: one round's peak takes as long as a mid-sized linear
 
 
-def cpu_model() -> str:
-    """The CPU's model name as the kernel reports it (empty where it does not)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
@@ -127,7 +116,7 @@ def main() -> None:
                 f"peak {peak:.1f}), torch {theirs:6.1f}"
             )
     out = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} thread, {cpu_model()}, {lanes}-lane fma",
+        "machine": f"{machine.describe()}, {torch.get_num_threads()} thread, {lanes}-lane fma",
         "rows": rows,
     }
     print(json.dumps(out, indent=2))

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+import machine
 import torch
 
 SIZES: dict[str, dict[str, int]] = {
@@ -203,7 +203,7 @@ def main() -> None:
         if peer in tok_s
     }
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine.describe(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "size": a.size,
         "batch": {"prompts": a.prompts, "n": a.n, "new_tokens": a.tokens, "reps": a.reps},

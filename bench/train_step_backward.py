@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import machine
 import torch
 from paired import paired_medians
 
@@ -137,7 +137,7 @@ def main() -> None:
                 f"{lent} thread(s): autograd {old:.3f} s, compiled {new:.3f} s ({old / new:.2f}x)", flush=True
             )
         threads.set_lender(None)
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "reps": a.reps, "train_step": rows}
+    result = {"machine": machine.describe(), "reps": a.reps, "train_step": rows}
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
 
 

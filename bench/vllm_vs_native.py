@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+import machine
 import torch
 
 from rlfw.algos import decompose
@@ -121,7 +121,7 @@ def main() -> None:
     tokens = {name: sum(s.response_T.numel() for s in ss) for name, ss in samples.items()}
     tokens["vllm-bare"] = tokens["vllm"]
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine.describe(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "batch": {"prompts": a.prompts, "n": a.n, "new_tokens": a.tokens, "reps": a.reps},
         "tokens_per_s": {name: tokens[name] / s for name, s in seconds.items()},
