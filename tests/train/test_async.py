@@ -285,22 +285,42 @@ def test_async_with_the_discrepancy_lag_correction_learns(root: Path) -> None:
     assert last > first + 0.04, (first, last)
 
 
+IN_FLIGHT_AT_STEP_2 = ["engine.in_flight=true", "engine.in_flight_at_step=2"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
-def test_resume_of_an_async_run_after_kill_gives_the_same_metrics(root: Path, transport: str) -> None:
+@pytest.mark.parametrize(
+    ("transport", "landing"),
+    [("object_store", "after"), ("collective", "after"), ("object_store", "in_flight_at_step")],
+)
+def test_resume_of_an_async_run_after_kill_gives_the_same_metrics(
+    root: Path, transport: str, landing: str
+) -> None:
     """policy=interval 2: at a checkpoint the engines are behind the trainer and the next step was
-    submitted at an older version still; the resumed run puts both back and continues identically."""
-    args = [*SMALL, "trainer.steps=7", "trainer.checkpoint_every=3", "sync=async"]
+    submitted at an older version still; the resumed run puts both back and continues identically. With
+    in-flight pushes pinned to a step (``engine.in_flight_at_step``), the checkpoints fall on the steps
+    that push (1, 3, 5), so the next step's generation had a push land inside it, and the resumed run's
+    reload of the engines' version must land in the resubmitted generation where that push did."""
+    in_flight = landing == "in_flight_at_step"
+    args = [*SMALL, "trainer.steps=7", f"trainer.checkpoint_every={2 if in_flight else 3}", "sync=async"]
     args += ["sync.policy=interval", "sync.interval=2", "sync.max_staleness=4", f"sync.transport={transport}"]
-    whole = run_train(root, f"async_whole_{transport}", *args)
+    args += IN_FLIGHT_AT_STEP_2 if in_flight else []
+    name = f"{transport}_{landing}"
+    whole = run_train(root, f"async_whole_{name}", *args)
     assert whole.returncode == 0, whole.log[-3000:]
-    killed = run_until(root, f"async_killed_{transport}", args, state_step_at_least(2), signal.SIGKILL)
+    if in_flight:  # the pushes did land inside generations
+        assert any(r["sync/in_flight_samples"] > 0 for r in whole.metrics())
+    checkpointed = state_step_at_least(1 if in_flight else 2)
+    killed = run_until(root, f"async_killed_{name}", args, checkpointed, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     state = json.loads((killed.run_dir / "run_state.json").read_text())
     assert state["pending_version"] < state["version"]  # the case that needs the saved engine weights
-    resumed = run_train(root, f"async_killed_{transport}", *args, "resume=true")
+    if in_flight:  # a push was sent into the pending generation: the resumed run must land it again
+        assert state["pending_version"] < state["engine_version"]
+    resumed = run_train(root, f"async_killed_{name}", *args, "resume=true")
     assert resumed.returncode == 0, resumed.log[-3000:]
     after = resumed.metrics()
     assert [r["step"] for r in after] == list(range(7))
-    for a, b in zip(whole.metrics()[3:], after[3:], strict=True):
+    resumed_at = state["step"] + 1  # the first step the resumed run computed
+    for a, b in zip(whole.metrics()[resumed_at:], after[resumed_at:], strict=True):
         assert comparable(a) == comparable(b), a["step"]
