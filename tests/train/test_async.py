@@ -220,6 +220,10 @@ def test_lending_idle_cores_changes_no_value_the_run_logs(root: Path) -> None:
     assert logged[0] == logged[1]
 
 
+# pushes land inside the generation in flight, after its second engine step (which waits for them)
+IN_FLIGHT_AT_STEP_2 = ["engine.in_flight=true", "engine.in_flight_at_step=2"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["native", "vllm"])
 @pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
@@ -243,8 +247,7 @@ def test_in_flight_updates_end_to_end(root: Path, engine: str, kv_policy: str) -
         "trainer.steps=6",
         "sync=async",
         "sync.policy=every_step",
-        "engine.in_flight=true",
-        "engine.in_flight_at_step=2",
+        *IN_FLIGHT_AT_STEP_2,
         f"engine.kv_policy={kv_policy}",
     )
     assert run.returncode == 0, run.log[-3000:]
@@ -283,9 +286,6 @@ def test_async_with_the_discrepancy_lag_correction_learns(root: Path) -> None:
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
     assert len(rewards) == 60
     assert last > first + 0.04, (first, last)
-
-
-IN_FLIGHT_AT_STEP_2 = ["engine.in_flight=true", "engine.in_flight_at_step=2"]
 
 
 @pytest.mark.slow
