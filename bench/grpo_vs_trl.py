@@ -14,6 +14,8 @@ sides by 1-10%: see bench/RESULTS.md). Sides:
 
 * ``trl``: ``GRPOTrainer`` on CPU, ``torch.set_num_threads(--trl-threads)`` (default: every core, the
   whole machine, as a user would run it);
+* ``trl-keepheap``: the same with glibc keeping freed memory (``rlfw.distributed.cluster.
+  keep_freed_memory``, what rlfw's actors do), to show how much of a gap that setting alone makes;
 * ``rlfw-sync``: ``rlfw train`` (Ray, a rollout actor and a DeepSpeed rank of one thread each, all four
   streams on every token);
 * ``rlfw-sync-allcores``: ``rlfw-sync`` with ``engine.cpu_threads=0 trainer.cpu_threads=0``: the phases
@@ -31,6 +33,8 @@ sides by 1-10%: see bench/RESULTS.md). Sides:
 * ``rlfw-async-lend``, ``rlfw-async-noprefill-lend``, ``rlfw-sync-lend``: one thread per pool and
   ``lend_idle_cores=true``: while one pool idles (the engine once its generation is done, the trainer
   between its steps), the other runs its compiled kernels on both cores;
+* ``rlfw-async-lend-glibcheap``: ``rlfw-async-lend`` with ``RLFW_KEEP_FREED_MEMORY=0`` (glibc's
+  defaults in the actors: freed memory goes back to the kernel and is faulted in again);
 * ``rlfw-async-noprefill`` and ``rlfw-async-2ranks-noprefill``: the same with
   ``engine.prefill_fraction=0`` (sampler, decode and trainer streams on every token, no prefill stream;
   allowed because the contract claims prefill and decode bitwise equal here).
@@ -81,7 +85,9 @@ SIDES = {  # rlfw side -> its overrides on top of the shared ones
     "async-lend": [*ASYNC, "lend_idle_cores=true"],
     "async-noprefill-lend": [*ASYNC, *NO_PREFILL, "lend_idle_cores=true"],
     "sync-lend": ["lend_idle_cores=true"],
+    "async-lend-glibcheap": [*ASYNC, "lend_idle_cores=true"],  # with SIDE_ENV below
 }
+SIDE_ENV = {"async-lend-glibcheap": {"RLFW_KEEP_FREED_MEMORY": "0"}}  # glibc's defaults in the actors
 
 
 def rlfw_side(folder: Path, root: Path, steps: int, mode: str) -> list[float]:
@@ -111,23 +117,27 @@ def rlfw_side(folder: Path, root: Path, steps: int, mode: str) -> list[float]:
         raise SystemExit(f"unknown side rlfw-{mode}; known: {', '.join('rlfw-' + m for m in SIDES)}")
     overrides += SIDES[mode]
     cmd = [str(Path(sys.executable).with_name("rlfw")), "train", *overrides]
-    proc = subprocess.run(cmd, env=os.environ | SUBPROCESS_ENV, capture_output=True, text=True)
+    env = os.environ | SUBPROCESS_ENV | SIDE_ENV.get(mode, {})
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"rlfw {mode} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
     return [float(r["time/step"]) for r in rows if "time/step" in r]
 
 
-def trl_worker(folder: str, steps: int, threads: int) -> None:
+def trl_worker(folder: str, steps: int, threads: int, keep_heap: bool) -> None:
     """Runs in its own process: print the wall time of every TRL step as JSON."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from rlfw.distributed.cluster import keep_freed_memory
     from rlfw.tasks.arithmetic import Arithmetic
     from rlfw.tasks.rewards import score
 
+    if keep_heap and not keep_freed_memory():
+        raise SystemExit("trl-keepheap: glibc's mallopt is not available here")
     torch.set_num_threads(threads)
     task = Arithmetic(20)
     problems = task.sample(PROMPTS * (steps + 1), random.Random(0))
@@ -174,9 +184,9 @@ def trl_worker(folder: str, steps: int, threads: int) -> None:
     print(json.dumps(times))
 
 
-def trl_side(folder: Path, steps: int, threads: int) -> list[float]:
+def trl_side(folder: Path, steps: int, threads: int, keep_heap: bool) -> list[float]:
     cmd = [sys.executable, __file__, "--trl-worker", str(folder), "--steps", str(steps)]
-    cmd += ["--trl-threads", str(threads)]
+    cmd += ["--trl-threads", str(threads)] + (["--trl-keep-heap"] if keep_heap else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"trl failed:\n{proc.stderr[-3000:]}")
@@ -190,10 +200,11 @@ def main() -> None:
     ap.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sides", nargs="*", default=["trl", "rlfw-sync", "rlfw-sync-allcores", "rlfw-async"])
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--trl-keep-heap", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(Path(__file__).with_name("results_grpo_vs_trl.json")))
     a = ap.parse_args()
     if a.trl_worker:
-        trl_worker(a.trl_worker, a.steps, a.trl_threads)
+        trl_worker(a.trl_worker, a.steps, a.trl_threads, a.trl_keep_heap)
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder, root = Path(tmp) / "model", Path(tmp) / "runs"
@@ -201,8 +212,8 @@ def main() -> None:
         steps: dict[str, list[float]] = {side: [] for side in a.sides}
         for _ in range(a.rounds):
             for side in a.sides:
-                if side == "trl":
-                    times = trl_side(folder, a.steps, a.trl_threads)
+                if side in ("trl", "trl-keepheap"):
+                    times = trl_side(folder, a.steps, a.trl_threads, side == "trl-keepheap")
                 else:
                     times = rlfw_side(folder, root, a.steps, side.removeprefix("rlfw-"))
                 # the first step compiles and warms up; an async run's last step has no generation in
@@ -210,10 +221,12 @@ def main() -> None:
                 steps[side] += times[1:-1]
                 print(side, [round(t, 2) for t in times], flush=True)
     s_per_step = {side: statistics.median(ts) for side, ts in steps.items()}
+    peers = [p for p in ("trl", "trl-keepheap") if p in s_per_step]
     ratios = {
-        f"{s}/trl (steps per second)": s_per_step["trl"] / s_per_step[s]
+        f"{s}/{p} (steps per second)": s_per_step[p] / s_per_step[s]
+        for p in peers
         for s in steps
-        if s != "trl" and "trl" in s_per_step
+        if s not in ("trl", "trl-keepheap")
     }
     result = {
         "machine": machine.describe(),

@@ -29,7 +29,7 @@ import threading
 import ray
 
 from rlfw.config import EngineConfig
-from rlfw.distributed.cluster import peak_rss_mb, use_cpu_threads
+from rlfw.distributed.cluster import keep_freed_memory, peak_rss_mb, use_cpu_threads
 from rlfw.distributed.cores import Seat, join, working
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup
@@ -50,6 +50,7 @@ class RolloutWorker:
         seat: Seat | None = None,
     ) -> None:
         self.engine: Engine
+        keep_freed_memory()  # no page faults on the tensors each step frees and allocates again
         self.cores = join(seat, use_cpu_threads(engine_cfg.cpu_threads))  # lend_idle_cores=true
         if engine_cfg.name == "vllm":
             from rlfw.rollout.vllm.engine import VllmEngine

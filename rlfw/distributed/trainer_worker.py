@@ -8,7 +8,7 @@ from typing import Any
 import ray
 import torch
 
-from rlfw.distributed.cluster import peak_rss_mb, use_cpu_threads
+from rlfw.distributed.cluster import keep_freed_memory, peak_rss_mb, use_cpu_threads
 from rlfw.distributed.cores import Seat, join, working
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup, describe
@@ -35,6 +35,7 @@ class TrainerWorker:
     ) -> None:
         import deepspeed
 
+        keep_freed_memory()  # no page faults on the tensors each step frees and allocates again
         self.cores = join(seat, use_cpu_threads(cpu_threads))  # lend_idle_cores=true
 
         os.environ.update(
