@@ -10,6 +10,8 @@
 
 #include <torch/extension.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,7 +34,17 @@ namespace {
 constexpr int64_t kPanel = 16;  // output features per packed weight panel (two 8-lane or one 16-lane vector)
 constexpr int64_t kRows = 6;    // rows per register block
 constexpr int64_t kBlockBytes = 256 * 1024;  // rows of x per cache block (see linear())
-constexpr int64_t kGroupBytes = 512 * 1024;  // weight panels per L2-resident group (see group_rows())
+
+// Weight panels per L2-resident group (see group_rows()): half the core's L2, so that a group and the rows
+// passing over it stay there together; 512 KiB where the C library does not report the L2. (With a
+// 512 KiB group on a 512 KiB L2 the 13M train step took 4.41 s against 4.22 s with 256 KiB: RESULTS.)
+int64_t group_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 > 0 ? std::max<int64_t>(l2 / 2, 64 * 1024) : int64_t{512 * 1024};
+  }();
+  return bytes;
+}
 
 // w [N, K] -> panels [ceil(N / 16)][K][16], zero past N (those lanes are computed, never stored).
 void pack_into(const float* w, int64_t n, int64_t k, float* out) {
@@ -232,7 +244,7 @@ void group_rows(const float* x, int64_t m, int64_t k, const float* packed, float
 
 void panel_rows(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n, int64_t p0,
                 int64_t p1) {
-  const int64_t fit = kGroupBytes / (k * kPanel * static_cast<int64_t>(sizeof(float)));
+  const int64_t fit = group_bytes() / (k * kPanel * static_cast<int64_t>(sizeof(float)));
   const int64_t group = std::max(kMainPanels, fit / kMainPanels * kMainPanels);
   for (int64_t g0 = p0; g0 < p1; g0 += group) group_rows(x, m, k, packed, y, n, g0, std::min(p1, g0 + group));
 }
