@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from rlfw.compose import load_config
-from rlfw.distributed.cluster import SUBPROCESS_ENV
+from rlfw.distributed.cluster import SUBPROCESS_ENV, keep_freed_memory
 from rlfw.model.distribution import Transforms
 from rlfw.rollout.native import NativeEngine
 from rlfw.tasks.arithmetic import Arithmetic
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides for both measurements")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the actors do, so the two measurements differ by orchestration alone
     root = Path(tempfile.mkdtemp())
     ray_phases = ray_run(root, args.steps, args.overrides)
     local = in_process(root, args.steps, args.overrides)
