@@ -37,6 +37,7 @@ PASSED_ON = (
     "RLFW_KEEP_FREED_MEMORY",
     "MALLOC_MMAP_THRESHOLD_",
     "MALLOC_TRIM_THRESHOLD_",
+    "GLIBC_TUNABLES",
 )
 
 
@@ -61,6 +62,8 @@ def use_cpu_threads(n: int) -> int:
 
 MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 """glibc's own variables for the two settings below; a process started with either keeps its settings."""
+MALLOC_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
+"""The same two settings as ``GLIBC_TUNABLES`` entries; a process started with either keeps its settings."""
 KEEP_FREED_MEMORY_ENV = "RLFW_KEEP_FREED_MEMORY"
 """Set to ``0`` to leave glibc's defaults in every actor (the driver passes it on)."""
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
@@ -82,13 +85,18 @@ def keep_freed_memory() -> bool:
     first step). The peak resident memory is the same; it is kept rather than given back between steps.
 
     glibc only (elsewhere a no-op returning False). Nothing is changed (False) in a process started with
-    ``RLFW_KEEP_FREED_MEMORY=0``, or with ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` set (the
-    user's own settings); the driver passes all three on to the actors.
+    ``RLFW_KEEP_FREED_MEMORY=0``, or with ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` set, or
+    either threshold in ``GLIBC_TUNABLES`` (the user's own settings); the driver passes these on to actors.
     """
     import ctypes
     import sys
 
-    if os.environ.get(KEEP_FREED_MEMORY_ENV) == "0" or any(k in os.environ for k in MALLOC_ENV):
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if (
+        os.environ.get(KEEP_FREED_MEMORY_ENV) == "0"
+        or any(k in os.environ for k in MALLOC_ENV)
+        or any(t in tunables for t in MALLOC_TUNABLES)
+    ):
         return False
     if not sys.platform.startswith("linux"):
         return False
