@@ -9,7 +9,7 @@ admitted as soon as a slot is free and a finished sequence frees its slot in the
 2. **decode**: feed every running sequence its pending token, draw the next one with a seed that depends
    only on (seed, prompt, sample, step), and record ``sampler_logp``, ``decode_logp``, the sampler's
    top-k, ``version`` and ``kv_version``;
-3. **retire**: run one prefill forward over each finished sequence, in its own slot, at the current
+3. **retire**: run a prefill forward over each finished sequence, in its own slot, at the current
    weights, for ``prefill_logp``, and hand out :class:`~rlfw.types.Sample` records. The slot's prompt
    rows are kept when a prefill wrote them at the current version (as a prefix cache would serve them),
    so the forward covers the response; otherwise the whole row is prefilled again.
@@ -52,6 +52,28 @@ if TYPE_CHECKING:
 KV_POLICIES = ("keep", "recompute")
 PLAIN = Transforms()  # no transforms: sample from the model's distribution
 KV_INITIAL_POSITIONS = 64  # per slot row; the cache doubles from here up to max_model_len as needed
+
+
+SCORE_ROWS = 4096  # padded rows per scoring forward (see score_groups)
+
+
+def score_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive groups of the sequences of ``lengths`` whose padded rows (count x longest) stay within
+    ``budget`` (a longer sequence goes alone). The prefill stream scores each group in one forward: one
+    forward over every finished sequence at 512 tokens holds activations of hundreds of MB, which the
+    allocator maps fresh and the kernel zero-fills on every call, and which no cache keeps. Under
+    ``kernels=invariant`` a row's result does not depend on which rows share its forward, so the grouping
+    changes no bit."""
+    groups: list[list[int]] = []
+    widest = 0
+    for i, n in enumerate(lengths):
+        if groups and max(widest, n) * (len(groups[-1]) + 1) <= budget:
+            groups[-1].append(i)
+            widest = max(widest, n)
+        else:
+            groups.append([i])
+            widest = n
+    return groups
 
 
 class NativeEngine:
@@ -275,25 +297,29 @@ class NativeEngine:
         return samples
 
     def _score(self, done: list[Sequence]) -> list[Sample]:
-        """One prefill forward over the finished sequences. Where the slot's prompt rows were themselves
-        prefilled at the current version (the usual case), they are kept, as a prefix cache keeps them,
-        and the forward covers the last prompt token and the response; otherwise the whole row is
-        prefilled again. Under ``kernels=invariant`` both give the same bits (a query reduces over the
-        same positions in the same order whichever forward wrote them)."""
+        """Prefill forwards over the finished sequences, a group at a time (:func:`score_groups`). Where
+        the slot's prompt rows were themselves prefilled at the current version (the usual case), they
+        are kept, as a prefix cache keeps them, and the forward covers the last prompt token and the
+        response; otherwise the whole row is prefilled again. Under ``kernels=invariant`` both give the
+        same bits (a query reduces over the same positions in the same order whichever forward wrote
+        them)."""
         starts = [self._reusable_prompt(seq) for seq in done]
         for seq, start in zip(done, starts, strict=True):
             self.cache.lengths[seq.slot] = start
         rows = [s.tokens[start:] for s, start in zip(done, starts, strict=True)]
-        hidden, routing = forward_rows(self.model, rows, self.cache, [s.slot for s in done])
         self._count(rows, "score_tokens")
         samples = []
-        for i, (seq, row, start) in enumerate(zip(done, rows, starts, strict=True)):
-            p, n = seq.prompt_P.shape[0] - start, row.shape[0]
-            response = row[p:]
-            ids = torch.stack(seq.topk_ids)
-            prefill, head = response_logp(self.model, hidden[i, :n], p, response, self.transforms, ids)
-            last = None if routing is None else routing[i, n - 1 : n]
-            samples.append(seq.to_sample(prefill, head, last, self._version))
+        for group in score_groups([row.shape[0] for row in rows], SCORE_ROWS):
+            hidden, routing = forward_rows(
+                self.model, [rows[i] for i in group], self.cache, [done[i].slot for i in group]
+            )
+            for j, i in enumerate(group):
+                seq, row = done[i], rows[i]
+                p, n = seq.prompt_P.shape[0] - starts[i], row.shape[0]
+                ids = torch.stack(seq.topk_ids)
+                prefill, head = response_logp(self.model, hidden[j, :n], p, row[p:], self.transforms, ids)
+                last = None if routing is None else routing[j, n - 1 : n]
+                samples.append(seq.to_sample(prefill, head, last, self._version))
         return samples
 
     def _reusable_prompt(self, seq: Sequence) -> int:

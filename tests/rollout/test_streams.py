@@ -13,6 +13,7 @@ import torch
 
 from rlfw.model import build_preset
 from rlfw.model.distribution import Transforms, process_logits
+from rlfw.rollout import native
 from tests.rollout._helpers import PRESETS, engine, model, request, same_bits, trainer_logp
 
 MIXED_LENGTHS = [1, 7, 3, 12, 5]  # length 1: a prompt with nothing to prefill
@@ -74,6 +75,30 @@ def test_prefill_stream_equals_the_no_cache_path() -> None:
         assert same_bits(s.prefill_logp, alone)
     # the prompt rows were kept: the forward covered the last prompt token and the response
     assert eng.counts.score_tokens == sum(1 + s.response_T.numel() for s in samples)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_prefill_stream_scored_in_groups_keeps_its_bits(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finished sequences are scored a few at a time (``SCORE_ROWS`` padded rows per forward); with a
+    budget that splits one retirement into several forwards the prefill stream and its top-k head are the
+    bits of one forward over all of them."""
+    reqs = request([6, 3, 9, 4, 2, 7], n=2, max_new_tokens=9)
+    whole = engine(model(preset), max_slots=12).generate(reqs)
+    monkeypatch.setattr(native, "SCORE_ROWS", 20)  # 1-2 sequences per forward here
+    eng = engine(model(preset), max_slots=12)
+    grouped = eng.generate(reqs)
+    assert eng.counts.score_tokens == sum(1 + s.response_T.numel() for s in grouped)
+    for a, b in zip(whole, grouped, strict=True):
+        assert same_bits(a.prefill_logp, b.prefill_logp)
+        assert same_bits(a.prefill_topk_logp, b.prefill_topk_logp)
+
+
+def test_score_groups_bound_the_padded_rows() -> None:
+    lengths = [10, 12, 30, 5, 5, 5, 5, 50]
+    groups = native.score_groups(lengths, 40)
+    assert groups == [[0, 1], [2], [3, 4, 5, 6], [7]]  # consecutive, each within 40 padded rows
+    assert native.score_groups([100], 40) == [[0]]  # too long for the budget: alone
+    assert native.score_groups([], 40) == []
 
 
 def test_default_kernels_agree_to_rounding() -> None:
