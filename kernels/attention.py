@@ -222,7 +222,7 @@ def attention(
         if rows is None or k_cache.dtype != torch.float32:  # a bf16 cache: gather, then widen the rows
             k_cache, v_cache = take_rows(k_cache, v_cache, rows, q_pos)
             rows = torch.arange(q.shape[0])
-        with widened():  # one thread per query token: the same bits at any thread count
+        with widened():  # one thread per block of query tokens: the same bits at any count
             out = cpu_native.module().attention(
                 _f32(q),
                 _f32(k_cache),

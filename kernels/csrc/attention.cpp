@@ -2,7 +2,8 @@
 // vLLM's paged layout (blocks of positions reached through a block table), with one arithmetic for both.
 //
 // Each query row (batch entry, position p, query head) is computed alone, in an order that depends on p and
-// the head size only (one thread computes all heads of a query token; they share reads, not arithmetic):
+// the head size only (one thread computes all heads of a block of up to eight query tokens of one sequence;
+// they share reads, not arithmetic):
 // scores s_i = q . k_i for i = 0 .. p (each dot product: eight lane sums of fma chains over d = j, j + 8, ...,
 // folded as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the d tail by an ascending fma chain,
 // then times the scale); m = max s_i; e_i = exp(s_i - m) (exp_f32 of exp_f32.h: glibc's expf algorithm spelt
@@ -193,6 +194,87 @@ inline void attend(const float* q, int64_t nh, int64_t group, int64_t p, int64_t
     for (int64_t j = 0; j < d; ++j) out[h * d + j] = acc[h * d + j] / denom[h];
 }
 
+constexpr int64_t kQueryBlock = 8;  // query tokens of one batch entry walked together (see attend_block)
+
+// attend() for nq query tokens of one sequence at once: token j's query rows are qs[j] (nh heads of d),
+// its position ps[j] (negative: padding, left alone), its output rows outs[j]. Every query's arithmetic is
+// attend()'s, element by element and in the same order; the block only shares the walk over positions, so
+// each K and V row read from memory serves every query of the block instead of one (a prefill of 512
+// tokens otherwise reads the sequence's whole K and V once per query, past what L2 holds). e holds
+// nq * nh * cap floats (cap > every position), acc nq * nh * d, denom nq * nh.
+template <typename Key, typename Value>
+inline void attend_block(const float* const* qs, const int64_t* ps, int64_t nq, int64_t nh, int64_t group,
+                         int64_t d, float sc, const Key& key, const Value& value, float* e, int64_t cap,
+                         float* acc, float* denom, float* const* outs, const Ahead& k_ahead, const Ahead& v_ahead) {
+  int64_t nmax = 0;
+  for (int64_t j = 0; j < nq; ++j) nmax = std::max(nmax, ps[j] + 1);
+  if (nmax <= 0) return;
+  const auto scores = [&](int64_t j, int64_t h) { return e + (j * nh + h) * cap; };
+  int64_t i = 0;
+  k_ahead(0, kAheadK, nmax);
+#if RLFW_AVX2
+  for (; i + kLanes <= nmax; i += kLanes) {
+    k_ahead(i + kAheadK, i + kAheadK + kLanes, nmax);
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* keys[kLanes];
+      for (int64_t k = 0; k < kLanes; ++k) keys[k] = key(i + k, h / group, k);
+      for (int64_t j = 0; j < nq; ++j) {
+        if (i + kLanes > ps[j] + 1) continue;  // past this query's whole groups of eight: its tail below
+        float* eh = scores(j, h) + i;
+        dot8(qs[j] + h * d, keys, d, eh);
+        for (int64_t k = 0; k < kLanes; ++k) eh[k] *= sc;
+      }
+    }
+  }
+#endif
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t n = ps[j] + 1;
+    if (n <= 0) continue;
+    const int64_t tail = RLFW_AVX2 ? n - n % kLanes : 0;
+    for (int64_t t = tail; t < n; ++t)
+      for (int64_t h = 0; h < nh; ++h) scores(j, h)[t] = dot(qs[j] + h * d, key(t, h / group, 0), d) * sc;
+    for (int64_t h = 0; h < nh; ++h) {
+      float* eh = scores(j, h);
+      float m = -INFINITY;
+      for (int64_t t = 0; t < n; ++t) m = std::max(m, eh[t]);
+      exp_shifted(eh, n, m);
+      float sum = 0.0f;
+      for (int64_t t = 0; t < n; ++t) sum += eh[t];
+      denom[j * nh + h] = sum;
+    }
+  }
+  std::fill(acc, acc + nq * nh * d, 0.0f);
+  v_ahead(0, kAheadV, nmax);
+  constexpr int64_t kChunk = 16;  // positions whose V rows stay in L1 while every head and query walks them
+  for (int64_t c0 = 0; c0 < nmax; c0 += kChunk) {
+    v_ahead(c0 + kAheadV, std::min(c0 + kChunk, nmax) + kAheadV, nmax);
+    for (int64_t h = 0; h < nh; ++h) {
+      const auto vh = [&](int64_t pos) { return value(pos, h / group); };
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t c1 = std::min(c0 + kChunk, ps[j] + 1);
+        if (c1 <= c0) continue;
+        const float* eh = scores(j, h);
+        float* ah = acc + (j * nh + h) * d;
+        int64_t col = 0;
+#if RLFW_AVX2
+        constexpr int64_t kBlock = 8 * kLanes;  // eight accumulators in registers
+        for (; col + kBlock <= d; col += kBlock) weighted_sum<8>(eh, c0, c1, vh, col, ah);
+        for (; col + kLanes <= d; col += kLanes) weighted_sum<1>(eh, c0, c1, vh, col, ah);
+#endif
+        for (int64_t t = c0; t < c1 && col < d; ++t) {
+          const float* v = vh(t);
+          for (int64_t x = col; x < d; ++x) ah[x] = std::fma(eh[t], v[x], ah[x]);
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    if (ps[j] < 0) continue;
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t x = 0; x < d; ++x) outs[j][h * d + x] = acc[(j * nh + h) * d + x] / denom[j * nh + h];
+  }
+}
+
 }  // namespace
 
 // q [B, T, Hq, D]; k and v [R, S, Hkv, D] cache rows (fp32, contiguous), batch entry b reading row rows[b]
@@ -225,20 +307,28 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     TORCH_CHECK(pos[i] < s, "attention: position ", pos[i], " outside the cache (", s, " slots)");
   const int64_t group = hq / hkv;
   const float sc = static_cast<float>(scale);
-  // One task per query token (batch entry, row), all of its heads together: a position's K (and V) rows of
-  // every head lie side by side in a cache row, so the walk reads them once and in order.
-  at::parallel_for(0, b * t, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> e(hq * s);
-    std::vector<float> acc(hq * d), denom(hq);
+  // One task per block of up to kQueryBlock consecutive query tokens of a batch entry, all of their heads
+  // together: a position's K (and V) rows of every head lie side by side in a cache row, so the walk reads
+  // them once, in order, for the whole block.
+  const int64_t blocks = (t + kQueryBlock - 1) / kQueryBlock;
+  at::parallel_for(0, b * blocks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> e(kQueryBlock * hq * s);
+    std::vector<float> acc(kQueryBlock * hq * d), denom(kQueryBlock * hq);
+    const float* qs[kQueryBlock];
+    float* outs[kQueryBlock];
     for (int64_t task = i0; task < i1; ++task) {
-      const int64_t bi = task / t, p = pos[task], ri = row[bi];
-      if (p < 0) continue;
+      const int64_t bi = task / blocks, t0 = (task % blocks) * kQueryBlock, nq = std::min(kQueryBlock, t - t0);
+      const int64_t first = bi * t + t0, ri = row[bi];
+      for (int64_t j = 0; j < nq; ++j) {
+        qs[j] = qp + (first + j) * hq * d;
+        outs[j] = op + (first + j) * hq * d;
+      }
       const float* krow = kp + ri * s * hkv * d;
       const float* vrow = vp + ri * s * hkv * d;
       const auto key = [&](int64_t i, int64_t kvh, int64_t) { return krow + (i * hkv + kvh) * d; };
       const auto value = [&](int64_t i, int64_t kvh) { return vrow + (i * hkv + kvh) * d; };
-      attend(qp + task * hq * d, hq, group, p, d, sc, key, value, e.data(), acc.data(),
-             denom.data(), op + task * hq * d, Ahead{krow, hkv * d}, Ahead{vrow, hkv * d});
+      attend_block(qs, pos + first, nq, hq, group, d, sc, key, value, e.data(), s, acc.data(), denom.data(),
+                   outs, Ahead{krow, hkv * d}, Ahead{vrow, hkv * d});
     }
   });
   return out;

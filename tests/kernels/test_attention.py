@@ -342,3 +342,20 @@ def test_each_row_is_the_documented_arithmetic(d: int) -> None:
         for h in range(hq):
             want = _row_as_documented(q[0, p, h].numpy(), k[0, :, 0].numpy(), v[0, :, 0].numpy(), p, SCALE)
             assert_same_bits(out[0, p, h], torch.from_numpy(want), f"d={d} p={p} h={h}")
+
+
+def test_queries_walked_in_blocks_equal_queries_alone(inv: InvariantOps) -> None:
+    """The kernel walks up to eight query tokens of a batch entry together. Tokens in any order of
+    positions (shuffled, repeated, padding between them) get the bits each gets when asked alone."""
+    q, k, v = _seq(torch.float32, 5)
+    kc, vc = _cache(k, L, 64), _cache(v, L, 64)
+    g = torch.Generator().manual_seed(3)
+    pos = torch.randint(0, L, (1, 19), generator=g)
+    pos[0, [2, 9, 10, 17]] = -1
+    pos[0, 5] = pos[0, 4]
+    queries = torch.randn(1, 19, HQ, D, generator=g)
+    out = inv.attention(queries, kc, vc, pos, SCALE)
+    for t in range(19):
+        alone = inv.attention(queries[:, t : t + 1], kc, vc, pos[:, t : t + 1], SCALE)
+        assert_same_bits(out[:, t : t + 1], alone, f"t={t} pos={int(pos[0, t])}")
+    assert bool((out[0, 2] == 0).all())
