@@ -129,79 +129,19 @@ inline void weighted_sum(const float* e, int64_t i0, int64_t i1, const Value& va
 }
 #endif
 
-// The query rows of one token over positions 0 .. p, for heads 0 .. nh - 1 (head h reads K/V head h / group;
-// its query row is q + h * d, its output row out + h * d). key(i, kvh, k) and value(i, kvh) give position i's
-// K and V rows for a K/V head (fp32, d floats; k in 0..7 names a scratch row where a K row must be widened,
-// so eight can be live at once). e holds nh * (p + 1) floats, acc nh * d, denom nh. Every head's arithmetic
-// is the header's and no head's result depends on another's: the heads share only the walk over positions,
-// so a position's K and V rows (side by side for all heads in the slotted layout) are read from memory once
-// and in order, not once per head with a stride. The AVX2 path computes eight scores and eight
-// exponentials at once and keeps output rows in registers across a chunk of positions; each element is the
-// same fma chain in the same order.
-template <typename Key, typename Value>
-inline void attend(const float* q, int64_t nh, int64_t group, int64_t p, int64_t d, float sc, const Key& key,
-                   const Value& value, float* e, float* acc, float* denom, float* out, const Ahead& k_ahead = {},
-                   const Ahead& v_ahead = {}) {
-  const int64_t n = p + 1;
-  int64_t i = 0;
-  k_ahead(0, kAheadK, n);
-#if RLFW_AVX2
-  for (; i + kLanes <= n; i += kLanes) {
-    k_ahead(i + kAheadK, i + kAheadK + kLanes, n);
-    for (int64_t h = 0; h < nh; ++h) {
-      const float* keys[kLanes];
-      for (int64_t k = 0; k < kLanes; ++k) keys[k] = key(i + k, h / group, k);
-      float* eh = e + h * n + i;
-      dot8(q + h * d, keys, d, eh);
-      for (int64_t k = 0; k < kLanes; ++k) eh[k] *= sc;
-    }
-  }
-#endif
-  for (; i < n; ++i)
-    for (int64_t h = 0; h < nh; ++h) e[h * n + i] = dot(q + h * d, key(i, h / group, 0), d) * sc;
-  v_ahead(0, kAheadV, n);
-  for (int64_t h = 0; h < nh; ++h) {
-    float* eh = e + h * n;
-    float m = -INFINITY;
-    for (i = 0; i < n; ++i) m = std::max(m, eh[i]);
-    exp_shifted(eh, n, m);
-    float sum = 0.0f;
-    for (i = 0; i < n; ++i) sum += eh[i];
-    denom[h] = sum;
-  }
-  std::fill(acc, acc + nh * d, 0.0f);
-  constexpr int64_t kChunk = 16;  // positions whose V rows stay in L1 while every head walks them
-  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-    const int64_t c1 = std::min(c0 + kChunk, n);
-    v_ahead(c0 + kAheadV, c1 + kAheadV, n);
-    for (int64_t h = 0; h < nh; ++h) {
-      const float* eh = e + h * n;
-      float* ah = acc + h * d;
-      const auto vh = [&](int64_t pos) { return value(pos, h / group); };
-      int64_t j = 0;
-#if RLFW_AVX2
-      constexpr int64_t kBlock = 8 * kLanes;  // eight accumulators in registers
-      for (; j + kBlock <= d; j += kBlock) weighted_sum<8>(eh, c0, c1, vh, j, ah);
-      for (; j + kLanes <= d; j += kLanes) weighted_sum<1>(eh, c0, c1, vh, j, ah);
-#endif
-      for (i = c0; i < c1 && j < d; ++i) {
-        const float* v = vh(i);
-        for (int64_t col = j; col < d; ++col) ah[col] = std::fma(eh[i], v[col], ah[col]);
-      }
-    }
-  }
-  for (int64_t h = 0; h < nh; ++h)
-    for (int64_t j = 0; j < d; ++j) out[h * d + j] = acc[h * d + j] / denom[h];
-}
-
 constexpr int64_t kQueryBlock = 8;  // query tokens of one batch entry walked together (see attend_block)
 
-// attend() for nq query tokens of one sequence at once: token j's query rows are qs[j] (nh heads of d),
-// its position ps[j] (negative: padding, left alone), its output rows outs[j]. Every query's arithmetic is
-// attend()'s, element by element and in the same order; the block only shares the walk over positions, so
-// each K and V row read from memory serves every query of the block instead of one (a prefill of 512
-// tokens otherwise reads the sequence's whole K and V once per query, past what L2 holds). e holds
-// nq * nh * cap floats (cap > every position), acc nq * nh * d, denom nq * nh.
+// The query rows of nq tokens of one sequence over their visible positions, for heads 0 .. nh - 1. Token j's
+// query rows are qs[j] (head h at qs[j] + h * d, reading K/V head h / group), its position ps[j] (negative:
+// padding, left alone), its output rows outs[j]. key(i, kvh, k) and value(i, kvh) give position i's K and V
+// rows for a K/V head (fp32, d floats; k in 0..7 names a scratch row where a K row must be widened, so eight
+// can be live at once). e holds nq * nh * cap floats (cap > every position), acc nq * nh * d, denom nq * nh.
+// Every query row's arithmetic is the header's and none depends on another's: the heads and tokens share only
+// the walk over positions, so a position's K and V rows (side by side for all heads in the slotted layout)
+// are read from memory once for the whole block, in order, not once per head and token (a prefill of 512
+// tokens would otherwise read the sequence's whole K and V once per token, past what L2 holds). The AVX2
+// path computes eight scores and eight exponentials at once and keeps output rows in registers across a
+// chunk of positions; each element is the same fma chain in the same order.
 template <typename Key, typename Value>
 inline void attend_block(const float* const* qs, const int64_t* ps, int64_t nq, int64_t nh, int64_t group,
                          int64_t d, float sc, const Key& key, const Value& value, float* e, int64_t cap,
@@ -352,22 +292,37 @@ void paged(const float* qp, const T* kv, const int64_t* seq, const int64_t* pos,
            int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t block, int64_t max_blocks, int64_t max_pos,
            float sc, float* op) {
   const int64_t group = hq / hkv;
-  // One task per query token, all of its heads together.
-  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> e(hq * (max_pos + 1));
-    std::vector<float> acc(hq * d), denom(hq), kbuf(kLanes * d), vbuf(d);
-    for (int64_t ti = i0; ti < i1; ++ti) {
-      const int64_t p = pos[ti];
-      if (p < 0) continue;
-      const int64_t* blocks = table + seq[ti] * max_blocks;
+  const int64_t cap = max_pos + 1;
+  // One task per run of up to kQueryBlock consecutive query tokens of one sequence (a prefill's tokens lie
+  // side by side), all of their heads together.
+  const int64_t chunks = (n + kQueryBlock - 1) / kQueryBlock;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> e(kQueryBlock * hq * cap);
+    std::vector<float> acc(kQueryBlock * hq * d), denom(kQueryBlock * hq), kbuf(kLanes * d), vbuf(d);
+    const float* qs[kQueryBlock];
+    float* outs[kQueryBlock];
+    for (int64_t first = c0 * kQueryBlock; first < std::min(n, c1 * kQueryBlock);) {
+      if (pos[first] < 0) {  // padding: zeros (its sequence id is not checked, so not read)
+        ++first;
+        continue;
+      }
+      const int64_t end = std::min(n, (first / kQueryBlock + 1) * kQueryBlock);
+      int64_t last = first + 1;  // the run: tokens first .. last - 1 of one sequence
+      while (last < end && seq[last] == seq[first]) ++last;
+      const int64_t* blocks = table + seq[first] * max_blocks;
       // Block b, head kvh: `block` key rows, then `block` value rows, each d wide.
       const auto at = [&](int64_t i, int64_t kvh) {
         return kv + ((blocks[i / block] * hkv + kvh) * 2 * block + i % block) * d;
       };
       const auto key = [&](int64_t i, int64_t kvh, int64_t k) { return widen(at(i, kvh), kbuf.data() + k * d, d); };
       const auto value = [&](int64_t i, int64_t kvh) { return widen(at(i, kvh) + block * d, vbuf.data(), d); };
-      attend(qp + ti * hq * d, hq, group, p, d, sc, key, value, e.data(), acc.data(), denom.data(),
-             op + ti * hq * d);
+      for (int64_t j = 0; j < last - first; ++j) {
+        qs[j] = qp + (first + j) * hq * d;
+        outs[j] = op + (first + j) * hq * d;
+      }
+      attend_block(qs, pos + first, last - first, hq, group, d, sc, key, value, e.data(), cap, acc.data(),
+                   denom.data(), outs, Ahead{}, Ahead{});
+      first = last;
     }
   });
 }

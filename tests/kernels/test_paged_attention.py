@@ -67,3 +67,23 @@ def test_padding_tokens_get_zeros_and_bad_blocks_are_refused() -> None:
     assert torch.all(out[1] == 0) and torch.isfinite(out[0]).all()
     with pytest.raises(RuntimeError, match="block -1 outside"):
         attention.paged_attention(q[:1], cache, torch.tensor([0]), torch.tensor([20]), table, SCALE)
+
+
+def test_tokens_of_several_sequences_in_one_walk_block() -> None:
+    """The kernel walks runs of up to eight consecutive tokens of one sequence together; tokens packed
+    without padding (runs crossing sequence ends) or interleaved get the slotted kernel's bits."""
+    lengths = [3, 17, 1, 11]
+    s = max(lengths)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(len(lengths), s, HQ, D, generator=g)
+    k = torch.randn(len(lengths), s, HKV, D, generator=g)
+    v = torch.randn(len(lengths), s, HKV, D, generator=g)
+    pos = torch.stack([torch.where(torch.arange(s) < n, torch.arange(s), -1) for n in lengths])
+    slotted = attention.attention(q, k, v, pos, SCALE)
+    cache, table = _paged(k, v, lengths, 16, blocks=8, seed=3)
+    packed = [(r, t) for r, n in enumerate(lengths) for t in range(n)]
+    interleaved = [(r, t) for t in range(s) for r, n in enumerate(lengths) if t < n]
+    for order in (packed, interleaved):
+        rs, ts = torch.tensor([r for r, _ in order]), torch.tensor([t for _, t in order])
+        out = attention.paged_attention(q[rs, ts], cache, rs, ts, table, SCALE)
+        assert_same_bits(out, slotted[rs, ts], "packed" if order is packed else "interleaved")
