@@ -7,13 +7,16 @@ invariance for a decode step and a train step, and the built-in engine's through
    and MoE models bit-identical across trainer grad forward, trainer scoring, engine prefill and decode
    (fp32 and bf16), on the op set CUDA resolves to (vLLM's batch-invariant kernels when vLLM is installed).
 2. ``kernels=invariant`` against ``kernels=default`` on the 13M-parameter Qwen3 shape of
-   ``bench/rollout_vs_peers.py`` (hidden 512, 4 layers): one decode step of 64 sequences and one training
-   step (forward, backward, AdamW) on 8 x 256 tokens, alternated, medians (target: at most 1.15x).
-3. The built-in engine on the device: 64 prompts x 4 samples x 128 new tokens, all four streams and with
-   the prefill stream off, tokens per second.
+   ``bench/rollout_vs_peers.py`` (hidden 512, 4 layers), in fp32 and in bf16: one decode step of 64
+   sequences and one training step (forward, backward, AdamW) on 8 x 256 tokens, alternated, medians
+   (target: at most 1.15x).
+3. The built-in engine on the device (fp32): 64 prompts x 4 samples x 128 new tokens, tokens per second
+   and peak GPU memory, with invariant kernels (all four streams, and the prefill stream off) and with
+   default kernels (four streams).
 
-Each part's result or error goes into the JSON, with the device name, the op set and the versions. On a
-machine without CUDA the script says so and exits 2 (nothing is measured).
+Each part's result or error (with its traceback) goes into the JSON as soon as the part ends, with the
+device name, the op set and the versions. On a machine without CUDA the script says so and exits 2
+(nothing is measured).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +36,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-def run_tests() -> dict[str, Any]:
+def run_tests(limit_s: float = 240.0) -> dict[str, Any]:
     t0 = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    tests = str(ROOT / "tests" / "gpu")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", tests]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=limit_s)
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        return {"passed": False, "summary": f"timed out after {limit_s:.0f} s", "output_tail": out[-6000:]}
     tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
-    return {"passed": done.returncode == 0, "summary": tail, "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "passed": done.returncode == 0,
+        "summary": tail,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "output_tail": (done.stdout + done.stderr)[-6000:],
+    }
 
 
-def model_13m(kernels: str) -> Any:
+def model_13m(kernels: str, dtype: torch.dtype = torch.float32) -> Any:
     """The 13M model of ``bench/rollout_vs_peers.py`` (same config), on the device."""
     from rollout_vs_peers import hf_config
 
@@ -52,7 +62,7 @@ def model_13m(kernels: str) -> Any:
     from rlfw.model.config import args_from_hf_config
 
     torch.manual_seed(0)
-    return Transformer(args_from_hf_config(hf_config("13m")), kernels=kernels).cuda()
+    return Transformer(args_from_hf_config(hf_config("13m")), kernels=kernels).to("cuda", dtype)
 
 
 def invariant_cost(reps: int) -> dict[str, Any]:
@@ -65,13 +75,15 @@ def invariant_cost(reps: int) -> dict[str, Any]:
         "decode_step_64x1": (decode_step, torch.randint(3, 362, (64, 128), generator=gen)),
         "train_step_8x256": (train_step, torch.randint(3, 362, (8, 256), generator=gen)),
     }
-    for name, (make, ids) in cases.items():
-        runs = []
-        for kernels in ("default", "invariant"):
-            model = model_13m(kernels).train(name.startswith("train"))
-            runs.append(make(model, ids.cuda()))
-        t_def, t_inv = paired_medians(runs[0], runs[1], reps)
-        out[name] = {"default_ms": t_def * 1e3, "invariant_ms": t_inv * 1e3, "ratio": t_inv / t_def}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (make, ids) in cases.items():
+            runs = []
+            for kernels in ("default", "invariant"):
+                model = model_13m(kernels, dtype).train(name.startswith("train"))
+                runs.append(make(model, ids.cuda()))
+            t_def, t_inv = paired_medians(runs[0], runs[1], reps)
+            key = f"{name}_{str(dtype).removeprefix('torch.')}"
+            out[key] = {"default_ms": t_def * 1e3, "invariant_ms": t_inv * 1e3, "ratio": t_inv / t_def}
     return out
 
 
@@ -83,15 +95,23 @@ def engine_throughput() -> dict[str, Any]:
     prompts = [torch.randint(3, 362, (int(n),), generator=gen) for n in torch.randint(8, 24, (64,))]
     request = GenerationRequest(list(range(64)), prompts, n=4, max_new_tokens=128, seed=0)
     out: dict[str, Any] = {}
-    for name, fraction in (("four_streams", 1.0), ("no_prefill_stream", 0.0)):
-        model = model_13m("invariant")
+    runs = (
+        ("invariant_four_streams", "invariant", 1.0),
+        ("invariant_no_prefill_stream", "invariant", 0.0),
+        ("default_four_streams", "default", 1.0),
+    )
+    for name, kernels, fraction in runs:
+        model = model_13m(kernels)
         engine = NativeEngine(model, max_slots=256, max_model_len=160, prefill_fraction=fraction)
         engine.generate(request)  # warm-up (Triton compiles)
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         tokens = sum(s.response_T.numel() for s in engine.generate(request))
         torch.cuda.synchronize()
-        out[name] = {"tokens_per_s": tokens / (time.perf_counter() - t0)}
+        seconds = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        out[name] = {"tokens_per_s": tokens / seconds, "seconds": seconds, "peak_mib": peak}
     return out
 
 
@@ -111,10 +131,16 @@ def main() -> int:
         "op_set": InvariantOps().describe(),
         "environment": environment_fingerprint(),
     }
-    for name, part in (("tests", run_tests), ("invariant_cost", lambda: invariant_cost(args.reps))):
+    parts = (
+        ("tests", run_tests),
+        ("invariant_cost", lambda: invariant_cost(args.reps)),
+        ("engine", engine_throughput),
+    )
+    for name, part in parts:
+        t0 = time.perf_counter()
         report[name] = _guarded(part)
-    report["engine"] = _guarded(engine_throughput)
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+        print(f"gpu_check: {name} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))  # kept if a later part hangs
     print(json.dumps({k: v for k, v in report.items() if k != "op_set"}, indent=2, default=str))
     return 0 if report["tests"].get("passed") else 1
 
@@ -123,7 +149,7 @@ def _guarded(part: Any) -> dict[str, Any]:
     try:
         result: dict[str, Any] = part()
     except Exception as err:  # one part failing must not lose the others' numbers
-        return {"error": f"{type(err).__name__}: {err}"}
+        return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
     return result
 
 

@@ -38,7 +38,8 @@ def _attention_kernel(
     dd = tl.arange(0, BLOCK_D)
     row_mask = rows < R
     q_offs = (bh * R + rows[:, None]) * D + dd[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & (dd[None, :] < D), other=0.0)
+    q_mask = row_mask[:, None] & (dd[None, :] < D)
+    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)  # tl.dot takes one dtype
     pos = tl.load(pos_ptr + bh * R + rows, mask=row_mask, other=-1)
     last = tl.load(last_ptr + b)
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)

@@ -33,7 +33,7 @@ from tests.kernels.bits import assert_same_bits  # noqa: E402
 pytestmark = pytest.mark.slow
 
 T = 5
-"""Tokens per sequence. In the batch the target's flattened rows are 5..9 of a 16-row matmul tile,
+"""Tokens per sequence. In the batch the target's flattened rows are 5..9 of a 64-row matmul tile,
 alone they are rows 0..4: a different place in the tile, where BLAS-like orders would differ."""
 LENGTHS = (T - 2, T)
 """Row 0 is right-padded, so every mode also runs with an attention mask and a padded neighbour."""
