@@ -1,4 +1,4 @@
-"""The GPU checks in one script (about 5 minutes on one GPU): invariance tests natively, the cost of
+"""The GPU checks in one script (about 2 minutes on an H200): invariance tests natively, the cost of
 invariance for a decode step and a train step, and the built-in engine's throughput.
 
     .venv/bin/python bench/gpu_check.py [--out bench/results_gpu_check.json]
@@ -6,11 +6,11 @@ invariance for a decode step and a train step, and the built-in engine's through
 1. ``pytest tests/gpu`` on the device: every invariant op batch-invariant bit for bit, and the tiny dense
    and MoE models bit-identical across trainer grad forward, trainer scoring, engine prefill and decode
    (fp32 and bf16), on the op set CUDA resolves to (vLLM's batch-invariant kernels when vLLM is installed).
-2. ``kernels=invariant`` against ``kernels=default`` on the 13M-parameter Qwen3 shape of
-   ``bench/rollout_vs_peers.py`` (hidden 512, 4 layers), in fp32 and in bf16: one decode step of 64
+2. ``kernels=invariant`` against ``kernels=default`` on the 13M and 76M Qwen3 shapes of
+   ``bench/rollout_vs_peers.py`` (hidden 512 / 768, 4 / 12 layers), in fp32 and in bf16: one decode step of 64
    sequences and one training step (forward, backward, AdamW) on 8 x 256 tokens, alternated, medians
    (target: at most 1.15x).
-3. The built-in engine on the device (fp32): 64 prompts x 4 samples x 128 new tokens, tokens per second
+3. The built-in engine on the device (fp32, 13M): 64 prompts x 4 samples x 128 new tokens, tokens per second
    and peak GPU memory, with invariant kernels (all four streams, and the prefill stream off) and with
    default kernels (four streams).
 
@@ -54,15 +54,15 @@ def run_tests(limit_s: float = 240.0) -> dict[str, Any]:
     }
 
 
-def model_13m(kernels: str, dtype: torch.dtype = torch.float32) -> Any:
-    """The 13M model of ``bench/rollout_vs_peers.py`` (same config), on the device."""
+def model_of(size: str, kernels: str, dtype: torch.dtype = torch.float32) -> Any:
+    """The ``size`` model of ``bench/rollout_vs_peers.py`` (13m or 76m, same configs), on the device."""
     from rollout_vs_peers import hf_config
 
     from rlfw.model import Transformer
     from rlfw.model.config import args_from_hf_config
 
     torch.manual_seed(0)
-    return Transformer(args_from_hf_config(hf_config("13m")), kernels=kernels).to("cuda", dtype)
+    return Transformer(args_from_hf_config(hf_config(size)), kernels=kernels).to("cuda", dtype)
 
 
 def invariant_cost(reps: int) -> dict[str, Any]:
@@ -75,15 +75,17 @@ def invariant_cost(reps: int) -> dict[str, Any]:
         "decode_step_64x1": (decode_step, torch.randint(3, 362, (64, 128), generator=gen)),
         "train_step_8x256": (train_step, torch.randint(3, 362, (8, 256), generator=gen)),
     }
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, (make, ids) in cases.items():
-            runs = []
-            for kernels in ("default", "invariant"):
-                model = model_13m(kernels, dtype).train(name.startswith("train"))
-                runs.append(make(model, ids.cuda()))
-            t_def, t_inv = paired_medians(runs[0], runs[1], reps)
-            key = f"{name}_{str(dtype).removeprefix('torch.')}"
-            out[key] = {"default_ms": t_def * 1e3, "invariant_ms": t_inv * 1e3, "ratio": t_inv / t_def}
+    for size in ("13m", "76m"):
+        for dtype in (torch.float32, torch.bfloat16):
+            for name, (make, ids) in cases.items():
+                runs = []
+                for kernels in ("default", "invariant"):
+                    model = model_of(size, kernels, dtype).train(name.startswith("train"))
+                    runs.append(make(model, ids.cuda()))
+                t_def, t_inv = paired_medians(runs[0], runs[1], reps)
+                key = f"{size}_{name}_{str(dtype).removeprefix('torch.')}"
+                out[key] = {"default_ms": t_def * 1e3, "invariant_ms": t_inv * 1e3, "ratio": t_inv / t_def}
+                del runs, model
     return out
 
 
@@ -101,7 +103,7 @@ def engine_throughput() -> dict[str, Any]:
         ("default_four_streams", "default", 1.0),
     )
     for name, kernels, fraction in runs:
-        model = model_13m(kernels)
+        model = model_of("13m", kernels)
         engine = NativeEngine(model, max_slots=256, max_model_len=160, prefill_fraction=fraction)
         engine.generate(request)  # warm-up (Triton compiles)
         torch.cuda.synchronize()
