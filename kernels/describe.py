@@ -6,6 +6,7 @@ bits. Only choices that can change a result bit belong here (never logging or or
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -18,8 +19,20 @@ def _linear_record(backend: str) -> dict[str, Any]:
 
     common = {"split_k": False, "accumulate": "fp32", "bf16_operands": "widened_to_fp32_round_once"}
     if backend == "triton":
-        blocks = {"row_block": tc.MM_BLOCK_M, "col_block": tc.MM_BLOCK_N, "k_tile": tc.MM_BLOCK_K}
-        return {"impl": "triton_tiled_matmul", **blocks, **common}
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter widens every operand
+        return {
+            "impl": "triton_tiled_matmul",
+            "k_tile": tc.MM_BLOCK_K,
+            # kept in the record although they do not enter an element's reduction
+            "launch_tiles": {
+                "up_to_rows": tc.MM_SMALL_ROWS,
+                "small": list(tc.MM_TILES_SMALL),
+                "large": list(tc.MM_TILES_LARGE),
+            },
+            **common,
+            "bf16_operands": common["bf16_operands"] if interpreted else "tensor_core_mma_fp32_accumulate",
+            "k_tile_16bit": tc.MM_BLOCK_K if interpreted else tc.MM_BLOCK_K_16,
+        }
     if not torch.cuda.is_available():  # CPU tensors: the compiled kernel (kernels/csrc/linear.cpp)
         return {"impl": "cpp_fma_chain", "order": "one fma per k, ascending, from +0", **common}
     blocks = {"row_block": matmul.ROW_BLOCK, "col_block": None, "k_tile": matmul.K_TILE}

@@ -1,10 +1,14 @@
-"""Triton matmul with fixed tiles and an ascending K loop (no split-K).
+"""Triton matmul with a fixed K slice and an ascending K loop (no split-K).
 
-Each program owns one ``[MM_BLOCK_M, MM_BLOCK_N]`` output tile and walks K in ``MM_BLOCK_K`` steps from 0
-upwards, so an output element is reduced by the same sequence of tile products whatever the number of
-rows. Operands are widened to fp32 before the tile product (exact for bf16; required by the interpreter,
-whose bf16 ``tl.dot`` is wrong); :func:`~rlfw.kernels.triton_dot.tile_dot` keeps CUDA from using TF32 and
-the interpreter from BLAS's row-dependent order.
+Each program owns one output tile and walks K in fixed slices from 0 upwards, so an output element is
+reduced by the same sequence of slice products whatever the number of rows. The output tile, warps and
+pipeline depth (:func:`~rlfw.kernels.triton_config.matmul_tiles`) follow the row count: they decide which
+elements are computed together, never an element's own chain.
+
+Operands: fp32 goes through :func:`~rlfw.kernels.triton_dot.tile_dot` (IEEE fp32 FMA chains, no TF32);
+bf16/fp16 goes into the tensor cores as it is, accumulated in fp32 (``WIDEN=False``). Under the
+interpreter (``TRITON_INTERPRET=1``), whose 16-bit ``tl.dot`` is wrong, every operand is widened to fp32
+(exact) and the product is the broadcast-sum form, so CPU tests check the same loop structure.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from rlfw.kernels.triton_config import MM_BLOCK_K, MM_BLOCK_M, MM_BLOCK_N
+from rlfw.kernels.triton_config import MM_BLOCK_K, MM_BLOCK_K_16, matmul_tiles
 from rlfw.kernels.triton_dot import INTERPRETED, tile_dot
+
+_TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -23,6 +29,7 @@ def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_EXACT: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):  # fmt: skip
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -34,10 +41,19 @@ def _matmul_kernel(
         b_mask = (ks[:, None] < K) & (rn[None, :] < N)
         a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :] * stride_ak, mask=a_mask, other=0.0)
         b = tl.load(b_ptr + ks[:, None] * stride_bk + rn[None, :] * stride_bn, mask=b_mask, other=0.0)
-        acc += tile_dot(a.to(tl.float32), b.to(tl.float32), ROW_EXACT)
+        if WIDEN:
+            acc += tile_dot(a.to(tl.float32), b.to(tl.float32), ROW_EXACT)
+        else:  # 16-bit operands into the tensor cores, fp32 accumulator
+            acc = tl.dot(a, b, acc)
     c_mask = (rm[:, None] < M) & (rn[None, :] < N)
     c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def into_tensor_cores(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a @ b`` takes its operands into the tensor cores unwidened: both bf16 (or both fp16),
+    on a GPU (the interpreter widens everything)."""
+    return not INTERPRETED and a.dtype == b.dtype and a.dtype in _TENSOR_CORE_DTYPES
 
 
 def matmul(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -45,10 +61,13 @@ def matmul(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     m, k = a.shape
     n = b.shape[1]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    grid = (triton.cdiv(m, MM_BLOCK_M), triton.cdiv(n, MM_BLOCK_N))
+    widen = not into_tensor_cores(a, b)
+    tiles = matmul_tiles(m)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _matmul_kernel[grid](
         a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=MM_BLOCK_M, BLOCK_N=MM_BLOCK_N, BLOCK_K=MM_BLOCK_K, ROW_EXACT=INTERPRETED,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=MM_BLOCK_K if widen else MM_BLOCK_K_16,
+        ROW_EXACT=INTERPRETED, WIDEN=widen, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return c
 

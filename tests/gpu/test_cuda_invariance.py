@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rlfw.kernels.invariant import InvariantOps
+from rlfw.kernels.triton_config import MM_SMALL_ROWS
 from rlfw.model import build_preset
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -33,8 +34,9 @@ def test_linear_row_is_batch_invariant(dtype: torch.dtype, n: int, k: int) -> No
     ops = InvariantOps()
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", generator=g).to(dtype)
-    x = torch.randn(257, k, device="cuda", generator=g).to(dtype)
-    for rows in (1, 3, 16, 65, 257):
+    x = torch.randn(700, k, device="cuda", generator=g).to(dtype)
+    # across the launch-tile bound of rlfw's Triton matmul (kernels/triton_config.py)
+    for rows in (1, 3, 16, 65, MM_SMALL_ROWS, MM_SMALL_ROWS + 1, 700):
         for at in {0, rows // 2, rows - 1}:
             assert _same(ops.linear(x[:rows], w)[at], ops.linear(x[at : at + 1], w)[0]), (rows, at)
 

@@ -78,3 +78,15 @@ def test_linear_row_result_is_the_same_at_every_position_of_a_tile(tri: Invarian
     alone = tri.linear(row, weight)[0]
     for at in range(16):
         assert_same_bits(tri.linear(embed_row(row, 16, at, seed=at), weight)[at], alone, f"row {at} of 16")
+
+
+def test_linear_row_keeps_its_bits_across_the_launch_tile_bound(tri: InvariantOps) -> None:
+    """Products of up to ``MM_SMALL_ROWS`` rows launch smaller tiles than larger ones; a row's result
+    must not notice (the K slice, the only tile size in its reduction, is the same)."""
+    from rlfw.kernels import triton_config as tc
+
+    weight, row = torch.randn(8, 40), torch.randn(1, 40)
+    alone = tri.linear(row, weight)[0]
+    assert tc.matmul_tiles(tc.MM_SMALL_ROWS) != tc.matmul_tiles(tc.MM_SMALL_ROWS + 1)
+    for n in (tc.MM_SMALL_ROWS, tc.MM_SMALL_ROWS + 1):
+        assert_same_bits(tri.linear(embed_row(row, n, n - 1, seed=n), weight)[n - 1], alone, f"n={n}")
