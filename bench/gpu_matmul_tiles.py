@@ -1,15 +1,17 @@
-"""The Triton matmul's launch tiles on a GPU: a host/device profile of the invariant train step, then an
-A/B of launch configurations of the product kernel (``kernels/triton_matmul.py``).
+"""The Triton matmul's launch tiles and the GPU backward passes: a host/device profile of the invariant
+train step, then an A/B of configurations of the product code (``kernels/triton_matmul.py``,
+``kernels/grads.py``).
 
     OUT=bench python bench/gpu_matmul_tiles.py        # writes $OUT/ab.json
 
 1. ``torch.profiler`` tables of the invariant fp32 train step on the 13M model (8 x 256 tokens), sorted by
    self host time and by self device time (``SKIP_PROFILE=1`` leaves them out).
-2. For each configuration in :data:`CONFIGS` (the product's launch tiles with one change patched in): the
-   count of rows whose bits differ from the row computed alone, at batch sizes on both sides of the
-   small/large launch bound (must be 0); the 76M model's largest products (2048 x 768 x 2048 and a 64-row
-   decode one) against ``F.linear``; and the invariant/default train step (8 x 256) and decode step
-   (64 sequences) of the 76M model, fp32 and bf16, alternated, medians.
+2. For each configuration in :data:`CONFIGS` (the product with one change patched in; ``CONFIGS=a,b``
+   picks some): the count of rows whose bits differ from the row computed alone, at batch sizes on both
+   sides of the small/large launch bound (must be 0); the 76M model's largest products (2048 x 768 x 2048
+   and a 64-row decode one) against ``F.linear``; and the invariant/default train step (8 x 256) and decode
+   step (64 sequences) of the 76M model (``STEPS_13M=1``: of the 13M model too), fp32 and bf16,
+   alternated, medians.
 
 ``SMOKE=1`` runs a one-layer 13M model on the CPU under ``TRITON_INTERPRET=1`` to check the script itself
 (its timings mean nothing).
@@ -29,6 +31,7 @@ from invariant_cost import decode_step, train_step  # noqa: E402
 from paired import alternated_medians  # noqa: E402
 
 import rlfw.kernels.triton_matmul as tm  # noqa: E402
+from rlfw.kernels import grads  # noqa: E402
 from rlfw.kernels import triton_config as tc  # noqa: E402
 from rlfw.kernels.invariant import InvariantOps  # noqa: E402
 
@@ -45,6 +48,7 @@ CONFIGS = {  # name -> changes against the product (small / large launch tiles, 
     "small_64x64": {"small": tc.MatmulTiles(64, 64, 4, 4)},
     "small_16x64": {"small": tc.MatmulTiles(16, 64, 4, 4)},
     "k16_32": {"k16": 32},
+    "recompute_backward": {"recompute": True},  # RMSNorm, log-softmax, attention: the recomputed reference
 }
 ORIGINAL = (tm.matmul_tiles, tm.into_tensor_cores, tm.MM_BLOCK_K_16)
 
@@ -54,7 +58,26 @@ def save():
         json.dump(res, f, indent=1, default=str)
 
 
+def _recompute_grads():
+    """The backward passes as they were before ``kernels/grads.py``: the torch reference recomputed under
+    autograd (for the A/B)."""
+    from rlfw.kernels import attention, norm, softmax
+    from rlfw.kernels.autograd import recompute_backward
+
+    return {
+        "rms_norm": lambda fwd, x, w, eps: recompute_backward(fwd, norm.rms_norm, x, w, eps),
+        "log_softmax": lambda fwd, x: recompute_backward(fwd, softmax.log_softmax, x),
+        "token_logp": lambda fwd, x, ids: recompute_backward(fwd, softmax.token_logp, x, ids),
+        "attention": lambda fwd, *a: recompute_backward(fwd, attention.attention_reference, *a),
+    }
+
+
+CLOSED_FORM = {name: getattr(grads, name) for name in ("rms_norm", "log_softmax", "token_logp", "attention")}
+
+
 def patch(change):
+    for name, fn in (_recompute_grads() if change.get("recompute") else CLOSED_FORM).items():
+        setattr(grads, name, fn)
     tiles, cores, k16 = ORIGINAL
     small, large = change.get("small", tc.MM_TILES_SMALL), change.get("large", tc.MM_TILES_LARGE)
     tm.matmul_tiles = lambda rows: small if rows <= tc.MM_SMALL_ROWS else large
@@ -116,13 +139,13 @@ def gemm_times(dtype, reps):
     return out
 
 
-def steps(dtype, reps):
+def steps(dtype, reps, size=SIZE):
     gen = torch.Generator().manual_seed(0)
     tr = torch.randint(3, 362, (2, 16) if SMOKE else (8, 256), generator=gen).to(DEV)
     dc = torch.randint(3, 362, (4, 8) if SMOKE else (64, 128), generator=gen).to(DEV)
     r = {}
     for name, make, ids in (("train", train_step, tr), ("decode", decode_step, dc)):
-        runs = [make(model(kk, dtype).train(name == "train"), ids) for kk in ("default", "invariant")]
+        runs = [make(model(kk, dtype, size).train(name == "train"), ids) for kk in ("default", "invariant")]
         t_def, t_inv = alternated_medians(runs, reps)
         r[name] = {"default_ms": t_def * 1e3, "invariant_ms": t_inv * 1e3, "ratio": t_inv / t_def}
     return r
@@ -171,6 +194,8 @@ for name in names[:2] if SMOKE else names:
                 continue  # the change only touches 16-bit operands
         try:
             r[label] = {"bad_rows": invariance(dtype), "gemm": gemm_times(dtype, reps), **steps(dtype, reps)}
+            if os.environ.get("STEPS_13M"):  # the host-bound size too
+                r[label]["13m"] = steps(dtype, reps, "13m")
         except Exception as e:  # noqa: BLE001
             r[label] = repr(e)
     res[name] = r

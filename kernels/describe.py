@@ -58,6 +58,8 @@ def _attention_record(backend: str) -> dict[str, Any]:
             **common,
         }
     triton_like = backend == "triton"
+    if triton_like:
+        common["backward"] = "closed_form_fp32"  # kernels/grads.py
     return {
         "impl": "triton_tiled_online_softmax" if triton_like else "torch_tiled_online_softmax",
         "kv_tile": attention.KV_TILE,
@@ -137,7 +139,7 @@ def _describe_vllm() -> dict[str, Any]:
     served = {
         "library": vllm_ops.VLLM_KERNELS,
         "vllm": vllm_ops.vllm_version(),
-        "backward": "rlfw_torch_reference",
+        "backward": "rlfw_closed_form",
     }
     record["backend"] = "vllm"
     record["linear"] = {"impl": vllm_ops.IMPLEMENTATIONS["linear"], "split_k": False, **served}

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from rlfw.kernels import attention as attn
-from rlfw.kernels import cpu_native, elementwise, matmul, norm, router, softmax
+from rlfw.kernels import cpu_native, elementwise, grads, matmul, norm, router, softmax
 from rlfw.kernels.autograd import InvariantLinear, needs_grad, recompute_backward
 
 BACKENDS = ("auto", "torch", "triton", "vllm")
@@ -115,9 +115,11 @@ class InvariantOps:
         if training and self.backend == "torch" and cpu_native.serves(q, k_cache, v_cache):
             out: Tensor = attn.CompiledBackward.apply(q, k_cache, v_cache, q_pos, scale)
             return out
-        return recompute_backward(
-            self._attention, attn.attention_reference, q, k_cache, v_cache, q_pos, scale
-        )
+        if self.backend == "torch":  # bf16 on CPU: the reference recomputed under autograd
+            return recompute_backward(
+                self._attention, attn.attention_reference, q, k_cache, v_cache, q_pos, scale
+            )
+        return grads.attention(self._attention, q, k_cache, v_cache, q_pos, scale)
 
     def log_softmax(self, logits: Tensor) -> Tensor:
         return self._log_softmax(logits)

@@ -1,7 +1,7 @@
 """The Triton op set behind ``InvariantOps(backend="triton")``.
 
 Kernels: matmul/linear, RMSNorm, log-softmax (+ token gather) and attention. Each forward is wrapped so
-that training differentiates the torch reference of the same math (recomputed in backward); RoPE,
+that training takes the closed-form gradient of the same math (:mod:`rlfw.kernels.grads`); RoPE,
 SiLU-mul, entropy's final row sum and the router reuse the torch path (elementwise or tiny).
 """
 
@@ -9,22 +9,21 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from rlfw.kernels import norm, softmax, triton_attention, triton_matmul, triton_norm, triton_softmax
-from rlfw.kernels.autograd import recompute_backward
+from rlfw.kernels import grads, triton_attention, triton_matmul, triton_norm, triton_softmax
 
 linear = triton_matmul.linear
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return recompute_backward(triton_norm.rms_norm, norm.rms_norm, x, weight, eps)
+    return grads.rms_norm(triton_norm.rms_norm, x, weight, eps)
 
 
 def log_softmax(logits: Tensor) -> Tensor:
-    return recompute_backward(triton_softmax.log_softmax, softmax.log_softmax, logits)
+    return grads.log_softmax(triton_softmax.log_softmax, logits)
 
 
 def token_logp(logits: Tensor, ids: Tensor) -> Tensor:
-    return recompute_backward(triton_softmax.token_logp, softmax.token_logp, logits, ids)
+    return grads.token_logp(triton_softmax.token_logp, logits, ids)
 
 
 attention = triton_attention.attention

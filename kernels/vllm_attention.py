@@ -10,9 +10,8 @@ its tiles by head size, dtype and whether the keys are paged, so the paged call 
 and prefill make). The FlashAttention version is the one vLLM's batch-invariant mode runs (FA3 on
 Hopper, FA2 elsewhere: it replaces FA4 by FA2). Whether a query gets the same bits from a decode call (one
 query) and a prefill call (many) depends on FlashAttention's tile choice for each, which may differ by
-head size; ``tests/gpu`` checks it per head size on a device. The backward is rlfw's: the torch
-reference recomputed under autograd (:func:`rlfw.kernels.autograd.recompute_backward`, applied by the
-caller).
+head size; ``tests/gpu`` checks it per head size on a device. The backward is rlfw's: the closed-form
+gradient of the same math (:func:`rlfw.kernels.grads.attention`, applied by the caller).
 
 FlashAttention has no fp32 kernel, and it needs each row's valid queries to be the last positions of
 that row's keys (true for prefill, scoring and decode); anything else goes to rlfw's Triton attention

@@ -4,8 +4,8 @@ vLLM (``vllm.model_executor.determinism.batch_invariant``) ships batch-invariant
 current GPUs: a persistent matmul with fixed tiles and no split-K, RMSNorm and log-softmax. Running the
 trainer's forward on the same kernels as the vLLM engine makes trainer and engine bit-identical by
 construction, so rlfw uses them rather than tuning kernels of its own for GPUs. The backward passes are
-rlfw's (:mod:`rlfw.kernels.autograd`): the linear's two textbook matmuls, and for RMSNorm and log-softmax
-the torch reference recomputed under autograd.
+rlfw's (:mod:`rlfw.kernels.autograd`, :mod:`rlfw.kernels.grads`): the linear's two textbook matmuls, and
+for RMSNorm, log-softmax and attention the closed-form gradients in fp32 torch ops.
 
 Attention in fp16/bf16 is vLLM's batch-invariant FlashAttention (one KV split), called on a paged view
 of the keys as vLLM calls it (:mod:`rlfw.kernels.vllm_attention`); FlashAttention has no fp32 kernel, so
@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlfw.kernels import norm, softmax
-from rlfw.kernels.autograd import recompute_backward
+from rlfw.kernels import grads
 
 VLLM_KERNELS = "vllm.model_executor.determinism.batch_invariant"
 
@@ -83,7 +82,7 @@ def _rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return recompute_backward(_rms_norm_forward, norm.rms_norm, x, weight, eps)
+    return grads.rms_norm(_rms_norm_forward, x, weight, eps)
 
 
 def _log_softmax_forward(logits: Tensor) -> Tensor:
@@ -92,7 +91,7 @@ def _log_softmax_forward(logits: Tensor) -> Tensor:
 
 
 def log_softmax(logits: Tensor) -> Tensor:
-    return recompute_backward(_log_softmax_forward, softmax.log_softmax, logits)
+    return grads.log_softmax(_log_softmax_forward, logits)
 
 
 def token_logp(logits: Tensor, ids: Tensor) -> Tensor:

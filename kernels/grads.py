@@ -1,0 +1,166 @@
+"""Training wrappers with closed-form backward passes, for the GPU op sets (Triton and vLLM kernels).
+
+The forward is the inference kernel itself (so a trainer's grad forward keeps its bits); the backward is the
+textbook gradient in fp32 torch ops, written out rather than obtained by recomputing the reference forward
+under autograd (:func:`~rlfw.kernels.autograd.recompute_backward`). On a GPU a step of a small model is
+bound by the host's launches: the recomputed reference costs a nested autograd pass per call, and a
+profile of the invariant 13M train step on an H200 put about half of the host's time there
+(``bench/RESULTS.md``). Gradients equal the reference's to rounding; they carry no bitwise claim.
+
+* :func:`rms_norm`: ``y = w * (x * r)``, ``r = 1 / sqrt(mean(x^2) + eps)``;
+  ``dx = r * (gn - n * mean(gn * n))`` with ``n = x * r``, ``gn = g * w``; ``dw = sum(g * n)``.
+* :func:`log_softmax`: ``dlogits = g - softmax * sum(g)``; :func:`token_logp` (the gather at ``ids``):
+  ``dlogits = onehot(ids) * g - softmax * g``.
+* :func:`attention`: the masked-softmax attention of
+  :func:`~rlfw.kernels.attention.attention_reference`, its probabilities recomputed once in fp32 and
+  differentiated by hand (``dv = p^T go``, ``ds = p * (go v^T - rowsum(.. * p))``, ``dq = ds k``,
+  ``dk = ds^T q``, times the scale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlfw.kernels.attention import group_queries, ungroup
+from rlfw.kernels.autograd import needs_grad
+
+NormFn = Callable[[Tensor, Tensor, float], Tensor]
+LogSoftmaxFn = Callable[[Tensor], Tensor]
+TokenLogpFn = Callable[[Tensor, Tensor], Tensor]
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
+
+
+def _sum_to(t: Tensor, shape: torch.Size) -> Tensor:
+    """``t`` summed over its leading dims down to ``shape`` (a broadcast weight's gradient)."""
+    return t.reshape(-1, *shape).sum(0)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float, forward_fn: NormFn) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return forward_fn(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        x, weight = ctx.saved_tensors
+        xf = x.float()
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + ctx.eps)
+        n = xf * r
+        g = grad.float()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            gn = g * weight.float()
+            dx = (r * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _sum_to(g * n, weight.shape).to(weight.dtype)
+        return dx, dw, None, None
+
+
+def rms_norm(forward_fn: NormFn, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``forward_fn(x, weight, eps)``, with the closed-form RMSNorm gradient under autograd."""
+    if not needs_grad(x, weight):
+        return forward_fn(x, weight, eps)
+    out: Tensor = _RMSNorm.apply(x, weight, eps, forward_fn)
+    return out
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, forward_fn: LogSoftmaxFn) -> Tensor:
+        out = forward_fn(logits)
+        ctx.save_for_backward(out)
+        ctx.dtype = logits.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (out,) = ctx.saved_tensors
+        g = grad.float()
+        return (g - out.exp() * g.sum(-1, keepdim=True)).to(ctx.dtype), None
+
+
+def log_softmax(forward_fn: LogSoftmaxFn, logits: Tensor) -> Tensor:
+    """``forward_fn(logits)`` (fp32 log-softmax), with the closed-form gradient under autograd."""
+    if not needs_grad(logits):
+        return forward_fn(logits)
+    out: Tensor = _LogSoftmax.apply(logits, forward_fn)
+    return out
+
+
+class _TokenLogp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, ids: Tensor, forward_fn: TokenLogpFn) -> Tensor:
+        ctx.save_for_backward(logits, ids)
+        return forward_fn(logits, ids)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        logits, ids = ctx.saved_tensors
+        g = grad.float().unsqueeze(-1)
+        d = torch.softmax(logits.float(), dim=-1).mul_(-g)
+        d.scatter_add_(-1, ids.unsqueeze(-1), g)
+        return d.to(logits.dtype), None, None
+
+
+def token_logp(forward_fn: TokenLogpFn, logits: Tensor, ids: Tensor) -> Tensor:
+    """``forward_fn(logits, ids)`` (fp32 log-prob of ``ids``), with the closed-form gradient."""
+    if not needs_grad(logits):
+        return forward_fn(logits, ids)
+    out: Tensor = _TokenLogp.apply(logits, ids, forward_fn)
+    return out
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, forward_fn: AttentionFn
+    ) -> Tensor:
+        ctx.save_for_backward(q, k, v, q_pos)
+        ctx.scale = scale
+        return forward_fn(q, k, v, q_pos, scale)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None]:
+        q, k, v, q_pos = ctx.saved_tensors
+        scale = ctx.scale
+        b, t, hq, _ = q.shape
+        hkv = k.shape[2]
+        qg = group_queries(q, hkv)  # [B, Hkv, R, D] fp32, rows (t, g)
+        kf = k.float().transpose(1, 2)  # [B, Hkv, S, D]
+        vf = v.float().transpose(1, 2)
+        pos = q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1)  # [B, Hkv, R]
+        slots = torch.arange(k.shape[1], device=q.device)
+        visible = (slots <= pos[..., None]) | ((pos[..., None] < 0) & (slots == 0))
+        s = torch.matmul(qg, kf.transpose(-1, -2)).mul_(scale)
+        p = torch.softmax(s.masked_fill_(~visible, float("-inf")), dim=-1)  # [B, Hkv, R, S]
+        go = group_queries(grad, hkv).masked_fill((pos < 0)[..., None], 0.0)  # padding rows: zeroed out
+        dq = dk = dv = None
+        if ctx.needs_input_grad[2]:
+            dv = torch.matmul(p.transpose(-1, -2), go).transpose(1, 2).to(v.dtype)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            dp = torch.matmul(go, vf.transpose(-1, -2))
+            ds = p.mul_(dp - (dp * p).sum(-1, keepdim=True)).mul_(scale)
+            if ctx.needs_input_grad[0]:
+                dq = ungroup(torch.matmul(ds, kf), t).to(q.dtype)
+            if ctx.needs_input_grad[1]:
+                dk = torch.matmul(ds.transpose(-1, -2), qg).transpose(1, 2).to(k.dtype)
+        return dq, dk, dv, None, None, None
+
+
+def attention(
+    forward_fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
+) -> Tensor:
+    """``forward_fn(q, k, v, q_pos, scale)`` (causal attention over the batch's own K/V, see
+    :meth:`~rlfw.kernels.registry.Ops.attention`), with the closed-form gradient under autograd."""
+    if not needs_grad(q, k, v):
+        return forward_fn(q, k, v, q_pos, scale)
+    out: Tensor = _Attention.apply(q, k, v, q_pos, scale, forward_fn)
+    return out
