@@ -9,9 +9,9 @@ train step, then an A/B of configurations of the product code (``kernels/triton_
 2. For each configuration in :data:`CONFIGS` (the product with one change patched in; ``CONFIGS=a,b``
    picks some): the count of rows whose bits differ from the row computed alone, at batch sizes on both
    sides of the small/large launch bound (must be 0); the 76M model's largest products (2048 x 768 x 2048
-   and a 64-row decode one) against ``F.linear``; and the invariant/default train step (8 x 256) and decode
-   step (64 sequences) of the 76M model (``STEPS_13M=1``: of the 13M model too), fp32 and bf16,
-   alternated, medians.
+   and a 64-row decode one) against ``F.linear``, per call over blocks of 50 back-to-back calls; and the
+   invariant/default train step (8 x 256) and decode step (64 sequences) of the 76M model
+   (``STEPS_13M=1``: of the 13M model too), fp32 and bf16, alternated, medians.
 
 ``SMOKE=1`` runs a one-layer 13M model on the CPU under ``TRITON_INTERPRET=1`` to check the script itself
 (its timings mean nothing).
@@ -28,7 +28,7 @@ if SMOKE:
 sys.path.insert(0, "bench")
 import torch  # noqa: E402
 from invariant_cost import decode_step, train_step  # noqa: E402
-from paired import alternated_medians  # noqa: E402
+from paired import alternated_block_medians, alternated_medians  # noqa: E402
 
 import rlfw.kernels.triton_matmul as tm  # noqa: E402
 from rlfw.kernels import grads  # noqa: E402
@@ -128,8 +128,10 @@ def gemm_times(dtype, reps):
     for m, k, n in ((32, 64, 64), (64, 64, 64)) if SMOKE else ((2048, 768, 2048), (64, 768, 2048)):
         x = torch.randn(m, k, device=DEV).to(dtype)
         w = torch.randn(n, k, device=DEV).to(dtype)
-        t_def, t_inv = alternated_medians(
-            [lambda x=x, w=w: torch.nn.functional.linear(x, w), lambda x=x, w=w: tm.linear(x, w)], reps
+        t_def, t_inv = alternated_block_medians(
+            [lambda x=x, w=w: torch.nn.functional.linear(x, w), lambda x=x, w=w: tm.linear(x, w)],
+            reps,
+            1 if SMOKE else 50,  # 50 back-to-back calls per timed block
         )
         out[f"{m}x{k}x{n}"] = {
             "default_ms": t_def * 1e3,

@@ -34,3 +34,11 @@ def alternated_medians(workloads: Sequence[Callable[[], object]], reps: int) -> 
             _sync()
             acc.append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
+
+
+def alternated_block_medians(workloads: Sequence[Callable[[], object]], reps: int, calls: int) -> list[float]:
+    """Median seconds per call of each workload, timed as blocks of ``calls`` back-to-back calls with one
+    synchronisation at each end (so a GPU kernel of tens of microseconds is not timed as a launch plus a
+    sync), the workloads' blocks alternated over ``reps`` rounds after one warm-up call each."""
+    blocks = [lambda f=f: [f() for _ in range(calls)] for f in workloads]
+    return [t / calls for t in alternated_medians(blocks, reps)]
