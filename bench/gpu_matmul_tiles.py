@@ -4,8 +4,8 @@ train step, then an A/B of configurations of the product code (``kernels/triton_
 
     OUT=bench python bench/gpu_matmul_tiles.py        # writes $OUT/ab.json
 
-1. ``torch.profiler`` tables of the invariant fp32 train step on the 13M model (8 x 256 tokens), sorted by
-   self host time and by self device time (``SKIP_PROFILE=1`` leaves them out).
+1. ``torch.profiler`` tables of the invariant fp32 and bf16 train steps on the 13M model (8 x 256 tokens),
+   sorted by self host time and by self device time (``SKIP_PROFILE=1`` leaves them out).
 2. For each configuration in :data:`CONFIGS` (the product with one change patched in; ``CONFIGS=a,b``
    picks some): the count of rows whose bits differ from the row computed alone, at batch sizes on both
    sides of the small/large launch bound (must be 0); the 76M model's largest products (2048 x 768 x 2048
@@ -179,13 +179,15 @@ def profile_train(dtype, label):
 
 t0 = time.time()
 reps = 2 if SMOKE else 12
-if not os.environ.get("SKIP_PROFILE"):
+for label, dtype in (
+    () if os.environ.get("SKIP_PROFILE") else (("fp32", torch.float32), ("bf16", torch.bfloat16))
+):
     try:
-        profile_train(torch.float32, "13m_fp32")
+        profile_train(dtype, f"13m_{label}")
     except Exception as e:  # noqa: BLE001
-        res["profile_13m_fp32"] = repr(e)
+        res[f"profile_13m_{label}"] = repr(e)
     save()
-    print("profile", round(time.time() - t0, 1), flush=True)
+    print("profile", label, round(time.time() - t0, 1), flush=True)
 names = os.environ.get("CONFIGS", ",".join(CONFIGS)).split(",")
 for name in names[:2] if SMOKE else names:
     patch(CONFIGS[name])
