@@ -50,7 +50,7 @@ CONFIGS = {  # name -> changes against the product (small / large launch tiles, 
     "k16_32": {"k16": 32},
     "recompute_backward": {"recompute": True},  # RMSNorm, log-softmax, attention: the recomputed reference
 }
-ORIGINAL = (tm.matmul_tiles, tm.into_tensor_cores, tm.MM_BLOCK_K_16)
+ORIGINAL = (tc.MM_TILES_SMALL, tc.MM_TILES_LARGE, tm.into_tensor_cores, tm.MM_BLOCK_K_16)
 
 
 def save():
@@ -78,9 +78,9 @@ CLOSED_FORM = {name: getattr(grads, name) for name in ("rms_norm", "log_softmax"
 def patch(change):
     for name, fn in (_recompute_grads() if change.get("recompute") else CLOSED_FORM).items():
         setattr(grads, name, fn)
-    tiles, cores, k16 = ORIGINAL
-    small, large = change.get("small", tc.MM_TILES_SMALL), change.get("large", tc.MM_TILES_LARGE)
-    tm.matmul_tiles = lambda rows: small if rows <= tc.MM_SMALL_ROWS else large
+    small, large, cores, k16 = ORIGINAL
+    tc.MM_TILES_SMALL = change.get("small", small)  # tc.matmul_tiles reads these at each call
+    tc.MM_TILES_LARGE = change.get("large", large)
     tm.into_tensor_cores = (lambda a, b: False) if change.get("widen16") else cores
     tm.MM_BLOCK_K_16 = change.get("k16", k16)
 

@@ -357,14 +357,24 @@ def attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tens
     Used for the backward pass. Padding queries see slot 0 only, so every softmax is finite; their
     output is zeroed.
     """
+    qg, pos, p = reference_probabilities(q, k_cache, q_pos, scale)
+    out = torch.matmul(p, v_cache.float().transpose(1, 2))
+    out = out.masked_fill((pos < 0)[..., None], 0.0)
+    return ungroup(out, q.shape[1]).to(q.dtype)
+
+
+def reference_probabilities(
+    q: Tensor, k_cache: Tensor, q_pos: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention probabilities of :func:`attention_reference` (differentiable): ``(qg, pos, p)``, the
+    grouped fp32 queries ``[B, Hkv, R, D]`` (rows ``(t, g)``), each row's position ``[B, Hkv, R]`` and the
+    masked softmax over the slots ``[B, Hkv, R, S]``. Padding queries (negative position) see slot 0."""
+    b, t, hq, _ = q.shape
     hkv = k_cache.shape[2]
     qg = group_queries(q, hkv)
-    t = q.shape[1]
-    pos = q_pos[:, None, :, None].expand(q.shape[0], hkv, t, q.shape[2] // hkv).reshape(q.shape[0], hkv, -1)
+    pos = q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1)
     slots = torch.arange(k_cache.shape[1], device=q.device)
     visible = (slots <= pos[..., None]) | ((pos[..., None] < 0) & (slots == 0))
     s = torch.matmul(qg, k_cache.float().permute(0, 2, 3, 1)) * scale
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
-    out = torch.matmul(p, v_cache.float().transpose(1, 2))
-    out = out.masked_fill((pos < 0)[..., None], 0.0)
-    return ungroup(out, t).to(q.dtype)
+    return qg, pos, p

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlfw.kernels.attention import group_queries, ungroup
+from rlfw.kernels.attention import group_queries, reference_probabilities, ungroup
 from rlfw.kernels.autograd import needs_grad
 
 NormFn = Callable[[Tensor, Tensor, float], Tensor]
@@ -131,16 +131,10 @@ class _Attention(torch.autograd.Function):
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None]:
         q, k, v, q_pos = ctx.saved_tensors
         scale = ctx.scale
-        b, t, hq, _ = q.shape
-        hkv = k.shape[2]
-        qg = group_queries(q, hkv)  # [B, Hkv, R, D] fp32, rows (t, g)
+        t, hkv = q.shape[1], k.shape[2]
+        qg, pos, p = reference_probabilities(q, k, q_pos, scale)  # [B, Hkv, R, D], [B, Hkv, R], [.., S]
         kf = k.float().transpose(1, 2)  # [B, Hkv, S, D]
         vf = v.float().transpose(1, 2)
-        pos = q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1)  # [B, Hkv, R]
-        slots = torch.arange(k.shape[1], device=q.device)
-        visible = (slots <= pos[..., None]) | ((pos[..., None] < 0) & (slots == 0))
-        s = torch.matmul(qg, kf.transpose(-1, -2)).mul_(scale)
-        p = torch.softmax(s.masked_fill_(~visible, float("-inf")), dim=-1)  # [B, Hkv, R, S]
         go = group_queries(grad, hkv).masked_fill((pos < 0)[..., None], 0.0)  # padding rows: zeroed out
         dq = dk = dv = None
         if ctx.needs_input_grad[2]:

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 MM_BLOCK_K = 32
 """K slice per step of the matmul loop for fp32 operands; steps are accumulated in ascending order, no
-split-K. With its row and column blocks this is the only tile size that enters an element's reduction."""
+split-K. Of the matmul's tile sizes only the K slice enters an element's reduction."""
 MM_BLOCK_K_16 = 64
 """K slice for bf16/fp16 operands, which go into the tensor cores as they are (each step is a fixed chain
 of MMA instructions over 16-wide K chunks, accumulated in fp32)."""
