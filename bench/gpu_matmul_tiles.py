@@ -4,8 +4,8 @@ train step, then an A/B of configurations of the product code (``kernels/triton_
 
     OUT=bench python bench/gpu_matmul_tiles.py        # writes $OUT/ab.json
 
-1. ``torch.profiler`` tables of the invariant fp32 and bf16 train steps on the 13M model (8 x 256 tokens),
-   sorted by self host time and by self device time (``SKIP_PROFILE=1`` leaves them out).
+1. ``torch.profiler`` tables of the invariant train step (8 x 256 tokens), sorted by self host time and by
+   self device time, for each ``size:dtype`` in ``PROFILES`` (default ``13m:fp32,13m:bf16``; empty: none).
 2. For each configuration in :data:`CONFIGS` (the product with one change patched in; ``CONFIGS=a,b``
    picks some): the count of rows whose bits differ from the row computed alone, at batch sizes on both
    sides of the small/large launch bound (must be 0); the 76M model's largest products (2048 x 768 x 2048
@@ -31,7 +31,7 @@ from invariant_cost import decode_step, train_step  # noqa: E402
 from paired import alternated_block_medians, alternated_medians  # noqa: E402
 
 import rlfw.kernels.triton_matmul as tm  # noqa: E402
-from rlfw.kernels import grads  # noqa: E402
+from rlfw.kernels import grads, triton_norm, triton_ops  # noqa: E402
 from rlfw.kernels import triton_config as tc  # noqa: E402
 from rlfw.kernels.invariant import InvariantOps  # noqa: E402
 
@@ -49,8 +49,20 @@ CONFIGS = {  # name -> changes against the product (small / large launch tiles, 
     "small_16x64": {"small": tc.MatmulTiles(16, 64, 4, 4)},
     "k16_32": {"k16": 32},
     "recompute_backward": {"recompute": True},  # RMSNorm, log-softmax, attention: the recomputed reference
+    "torch_norm_backward": {"torch_norm_backward": True},  # RMSNorm's closed form in torch ops, not fused
+    "attention_host_sync": {"attention_host_sync": True},  # the host reads the last position per call
+    "previous": {"torch_norm_backward": True, "attention_host_sync": True},  # both: stop 38's product
 }
 ORIGINAL = (tc.MM_TILES_SMALL, tc.MM_TILES_LARGE, tm.into_tensor_cores, tm.MM_BLOCK_K_16)
+NORM_BACKWARD = triton_norm.rms_norm_backward
+TRITON_ATTENTION = triton_ops.attention
+
+
+def _host_synced_attention(q, k_cache, v_cache, q_pos, scale):
+    """The Triton attention as stop 38 launched it: the host read the batch's last position (a device
+    sync) to bound the KV tiles before each launch."""
+    int(q_pos.max())
+    return TRITON_ATTENTION(q, k_cache, v_cache, q_pos, scale)
 
 
 def save():
@@ -83,6 +95,9 @@ def patch(change):
     tc.MM_TILES_LARGE = change.get("large", large)
     tm.into_tensor_cores = (lambda a, b: False) if change.get("widen16") else cores
     tm.MM_BLOCK_K_16 = change.get("k16", k16)
+    fused = not change.get("torch_norm_backward")
+    triton_norm.rms_norm_backward = NORM_BACKWARD if fused else grads.rms_norm_grads
+    triton_ops.attention = _host_synced_attention if change.get("attention_host_sync") else TRITON_ATTENTION
 
 
 def model(kernels, dtype, size=SIZE):
@@ -153,10 +168,10 @@ def steps(dtype, reps, size=SIZE):
     return r
 
 
-def profile_train(dtype, label):
+def profile_train(dtype, label, size):
     from torch.profiler import ProfilerActivity, profile
 
-    m = model("invariant", dtype, "13m").train()
+    m = model("invariant", dtype, size).train()
     ids = torch.randint(3, 362, (2, 16) if SMOKE else (8, 256), generator=torch.Generator().manual_seed(0))
     run = train_step(m, ids.to(DEV))
     for _ in range(3):
@@ -179,15 +194,18 @@ def profile_train(dtype, label):
 
 t0 = time.time()
 reps = 2 if SMOKE else 12
-for label, dtype in (
-    () if os.environ.get("SKIP_PROFILE") else (("fp32", torch.float32), ("bf16", torch.bfloat16))
-):
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+for item in os.environ.get("PROFILES", "13m:fp32,13m:bf16").split(","):
+    if not item:
+        continue
+    size, label = item.split(":")
+    size = "13m" if SMOKE else size
     try:
-        profile_train(dtype, f"13m_{label}")
+        profile_train(DTYPES[label], f"{size}_{label}", size)
     except Exception as e:  # noqa: BLE001
-        res[f"profile_13m_{label}"] = repr(e)
+        res[f"profile_{size}_{label}"] = repr(e)
     save()
-    print("profile", label, round(time.time() - t0, 1), flush=True)
+    print("profile", item, round(time.time() - t0, 1), flush=True)
 names = os.environ.get("CONFIGS", ",".join(CONFIGS)).split(",")
 for name in names[:2] if SMOKE else names:
     patch(CONFIGS[name])

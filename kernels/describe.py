@@ -75,7 +75,9 @@ def _attention_record(backend: str) -> dict[str, Any]:
 def _rms_norm_record(triton_like: bool, off_cpu: bool) -> dict[str, Any]:
     common = {"accumulate": "fp32", "round": "normed_to_input_dtype_then_weight_mul"}
     if triton_like:
-        return {"impl": "triton_row", "sum_chunk": None, **common}
+        # training: the closed form in one Triton program per row (kernels/triton_norm.py); the vLLM
+        # backend, which serves the forward from vLLM, overrides this with the torch spelling
+        return {"impl": "triton_row", "sum_chunk": None, "backward": "triton_row_closed_form_fp32", **common}
     torch_row = {"impl": "torch_row", "sum_chunk": reduce.SUM_CHUNK, **common}
     if off_cpu:
         return torch_row

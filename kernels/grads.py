@@ -39,34 +39,52 @@ def _sum_to(t: Tensor, shape: torch.Size) -> Tensor:
     return t.reshape(-1, *shape).sum(0)
 
 
+def rms_norm_grads(x: Tensor, weight: Tensor, grad: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)`` of ``weight * (x * r)`` for the output gradient ``grad``, in fp32 torch ops."""
+    xf = x.float()
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    n = xf * r
+    g = grad.float()
+    gn = g * weight.float()
+    dx = (r * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
+    return dx, _sum_to(g * n, weight.shape).to(weight.dtype)
+
+
+NormGradsFn = Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float, forward_fn: NormFn) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, eps: float, forward_fn: NormFn, grads_fn: NormGradsFn
+    ) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
+        ctx.grads_fn = grads_fn
         return forward_fn(x, weight, eps)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         x, weight = ctx.saved_tensors
-        xf = x.float()
-        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + ctx.eps)
-        n = xf * r
-        g = grad.float()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            gn = g * weight.float()
-            dx = (r * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = _sum_to(g * n, weight.shape).to(weight.dtype)
-        return dx, dw, None, None
+        dx, dw = ctx.grads_fn(x, weight, grad, ctx.eps)
+        return (
+            dx if ctx.needs_input_grad[0] else None,
+            dw if ctx.needs_input_grad[1] else None,
+            None,
+            None,
+            None,
+        )
 
 
-def rms_norm(forward_fn: NormFn, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``forward_fn(x, weight, eps)``, with the closed-form RMSNorm gradient under autograd."""
+def rms_norm(
+    forward_fn: NormFn, x: Tensor, weight: Tensor, eps: float, grads_fn: NormGradsFn = rms_norm_grads
+) -> Tensor:
+    """``forward_fn(x, weight, eps)``, with the closed-form RMSNorm gradient under autograd: ``grads_fn``
+    (:func:`rms_norm_grads`, or a fused kernel of the same math such as
+    :func:`~rlfw.kernels.triton_norm.rms_norm_backward`)."""
     if not needs_grad(x, weight):
         return forward_fn(x, weight, eps)
-    out: Tensor = _RMSNorm.apply(x, weight, eps, forward_fn)
+    out: Tensor = _RMSNorm.apply(x, weight, eps, forward_fn, grads_fn)
     return out
 
 

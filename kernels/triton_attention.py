@@ -27,7 +27,7 @@ def _load_kv(ptr, b, h, slots, dd, S, D, last, stride_b, stride_s, stride_h):
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, last_ptr, o_ptr, R, S, D, HKV, n_tiles, scale,
+    q_ptr, k_ptr, v_ptr, pos_ptr, last_ptr, o_ptr, R, S, D, HKV, cap_tiles, scale,
     stride_kb, stride_ks, stride_kh,
     TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROW_EXACT: tl.constexpr,
 ):  # fmt: skip
@@ -45,6 +45,10 @@ def _attention_kernel(
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    # Tiles up to this program's last query position: the tiles after it would leave every row's state
+    # as it is (see the module), so the bound changes no bits; it is found here, not on the host, so a
+    # launch never waits for the device.
+    n_tiles = tl.minimum((tl.max(pos, axis=0) + TILE) // TILE, cap_tiles)
     for j in range(0, n_tiles):
         lo = j * TILE
         slots = lo + tl.arange(0, TILE)
@@ -73,13 +77,12 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale:
     qg = group_queries(q, hkv).contiguous()
     pos = q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1).contiguous()
     last = q_pos.amax(-1).contiguous() if t > 0 else q_pos.new_full((b,), -1)
-    n_tiles = min(triton.cdiv(s_cap, KV_TILE), (int(last.max()) + KV_TILE) // KV_TILE) if b > 0 else 0
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     out = torch.empty_like(qg)
     r = qg.shape[2]
     grid = (b * hkv, triton.cdiv(r, ATTN_BLOCK_R))
     _attention_kernel[grid](
-        qg, k_cache, v_cache, pos, last, out, r, s_cap, d, hkv, n_tiles, scale,
+        qg, k_cache, v_cache, pos, last, out, r, s_cap, d, hkv, triton.cdiv(s_cap, KV_TILE), scale,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         TILE=KV_TILE, BLOCK_R=ATTN_BLOCK_R, BLOCK_D=max(16, triton.next_power_of_2(d)), ROW_EXACT=INTERPRETED,
     )  # fmt: skip

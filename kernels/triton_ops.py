@@ -1,7 +1,8 @@
 """The Triton op set behind ``InvariantOps(backend="triton")``.
 
 Kernels: matmul/linear, RMSNorm, log-softmax (+ token gather) and attention. Each forward is wrapped so
-that training takes the closed-form gradient of the same math (:mod:`rlfw.kernels.grads`); RoPE,
+that training takes the closed-form gradient of the same math (:mod:`rlfw.kernels.grads`; RMSNorm's in
+one Triton launch, :func:`~rlfw.kernels.triton_norm.rms_norm_backward`); RoPE,
 SiLU-mul, entropy's final row sum and the router reuse the torch path (elementwise or tiny).
 """
 
@@ -15,7 +16,7 @@ linear = triton_matmul.linear
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return grads.rms_norm(triton_norm.rms_norm, x, weight, eps)
+    return grads.rms_norm(triton_norm.rms_norm, x, weight, eps, triton_norm.rms_norm_backward)
 
 
 def log_softmax(logits: Tensor) -> Tensor:

@@ -5,7 +5,8 @@ current GPUs: a persistent matmul with fixed tiles and no split-K, RMSNorm and l
 trainer's forward on the same kernels as the vLLM engine makes trainer and engine bit-identical by
 construction, so rlfw uses them rather than tuning kernels of its own for GPUs. The backward passes are
 rlfw's (:mod:`rlfw.kernels.autograd`, :mod:`rlfw.kernels.grads`): the linear's two textbook matmuls, and
-for RMSNorm, log-softmax and attention the closed-form gradients in fp32 torch ops.
+for RMSNorm, log-softmax and attention the closed-form gradients in fp32 (RMSNorm's in one Triton program
+per row, :func:`~rlfw.kernels.triton_norm.rms_norm_backward`; the others in torch ops).
 
 Attention in fp16/bf16 is vLLM's batch-invariant FlashAttention (one KV split), called on a paged view
 of the keys as vLLM calls it (:mod:`rlfw.kernels.vllm_attention`); FlashAttention has no fp32 kernel, so
@@ -82,7 +83,9 @@ def _rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return grads.rms_norm(_rms_norm_forward, x, weight, eps)
+    from rlfw.kernels import triton_norm  # vLLM brings triton
+
+    return grads.rms_norm(_rms_norm_forward, x, weight, eps, triton_norm.rms_norm_backward)
 
 
 def _log_softmax_forward(logits: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ import torch
 from rlfw.kernels.invariant import InvariantOps
 from rlfw.kernels.triton_config import MM_SMALL_ROWS
 from rlfw.model import build_preset
+from tests.model_grads import assert_grads_close, model_grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -77,3 +78,11 @@ def test_four_modes_give_the_same_logp_bits(preset: str, dtype: torch.dtype) -> 
     assert _same(score, prefill)
     assert _same(prefill, decode)
     assert _same(score[1:2], alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_training_gradients_match_the_default_ops(dtype: torch.dtype) -> None:
+    """The invariant op set's backward passes (the linear's matmuls, the closed forms of kernels/grads.py,
+    RMSNorm's fused Triton kernel) against the default op set's fp32 gradients."""
+    want = model_grads("default", torch.float32, "cuda")
+    assert_grads_close(model_grads("invariant", dtype, "cuda"), want, dtype)

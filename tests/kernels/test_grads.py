@@ -10,6 +10,7 @@ from torch import Tensor
 from rlfw.kernels import grads
 from rlfw.kernels.attention import attention_reference
 from rlfw.kernels.invariant import InvariantOps
+from tests.model_grads import assert_grads_close, model_grads
 
 
 def _grads(fn, *inputs: Tensor) -> list[Tensor]:  # type: ignore[no-untyped-def]
@@ -35,6 +36,23 @@ def test_rms_norm(tri: InvariantOps, shape: tuple[int, ...]) -> None:
         return w * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6))
 
     _close(_grads(lambda x, w: tri.rms_norm(x, w, 1e-6), x, w), _grads(plain, x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_backward_is_the_torch_closed_form(tri: InvariantOps, dtype: torch.dtype) -> None:
+    """The Triton backward (one program per row) against :func:`grads.rms_norm_grads`, bf16 included
+    (both work in fp32 and round ``dx`` / ``dweight`` once; the sums over a row differ in order)."""
+    from rlfw.kernels import triton_norm
+
+    g = torch.Generator().manual_seed(1)
+    x, grad = (torch.randn(2, 7, 3, 48, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(48, generator=g).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for ours, want in zip(
+        triton_norm.rms_norm_backward(x, w, grad, 1e-6), grads.rms_norm_grads(x, w, grad, 1e-6), strict=True
+    ):
+        assert ours.dtype == want.dtype == dtype and ours.shape == want.shape
+        torch.testing.assert_close(ours, want, atol=tol, rtol=tol)
 
 
 def test_log_softmax_and_token_logp(tri: InvariantOps) -> None:
@@ -75,3 +93,10 @@ def test_no_grad_calls_are_the_kernel_itself() -> None:
 
     out = grads.rms_norm(kernel, x, w, 1e-6)
     assert calls == [1] and out.grad_fn is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_models_gradients_through_the_triton_op_set(tri: InvariantOps, dtype: torch.dtype) -> None:
+    """A whole model's backward on the Triton op set (fused RMSNorm backward, closed forms, padding)
+    against the default op set's fp32 gradients."""
+    assert_grads_close(model_grads("invariant", dtype, ops=tri), model_grads("default", torch.float32), dtype)
