@@ -51,11 +51,17 @@ CONFIGS = {  # name -> changes against the product (small / large launch tiles, 
     "recompute_backward": {"recompute": True},  # RMSNorm, log-softmax, attention: the recomputed reference
     "torch_norm_backward": {"torch_norm_backward": True},  # RMSNorm's closed form in torch ops, not fused
     "attention_host_sync": {"attention_host_sync": True},  # the host reads the last position per call
-    "previous": {"torch_norm_backward": True, "attention_host_sync": True},  # both: stop 38's product
+    "torch_attention_backward": {"torch_attention_backward": True},  # the closed form in torch ops
+    "previous": {  # all three: stop 38's product
+        "torch_norm_backward": True,
+        "attention_host_sync": True,
+        "torch_attention_backward": True,
+    },
 }
 ORIGINAL = (tc.MM_TILES_SMALL, tc.MM_TILES_LARGE, tm.into_tensor_cores, tm.MM_BLOCK_K_16)
 NORM_BACKWARD = triton_norm.rms_norm_backward
 TRITON_ATTENTION = triton_ops.attention
+ATTENTION_BACKWARD = triton_ops.attention_backward
 
 
 def _host_synced_attention(q, k_cache, v_cache, q_pos, scale):
@@ -76,11 +82,11 @@ def _recompute_grads():
     from rlfw.kernels import attention, norm, softmax
     from rlfw.kernels.autograd import recompute_backward
 
-    return {
-        "rms_norm": lambda fwd, x, w, eps: recompute_backward(fwd, norm.rms_norm, x, w, eps),
+    return {  # the gradient function the op sets pass (a last argument) is ignored
+        "rms_norm": lambda fwd, x, w, eps, *_: recompute_backward(fwd, norm.rms_norm, x, w, eps),
         "log_softmax": lambda fwd, x: recompute_backward(fwd, softmax.log_softmax, x),
         "token_logp": lambda fwd, x, ids: recompute_backward(fwd, softmax.token_logp, x, ids),
-        "attention": lambda fwd, *a: recompute_backward(fwd, attention.attention_reference, *a),
+        "attention": lambda fwd, *a: recompute_backward(fwd, attention.attention_reference, *a[:5]),
     }
 
 
@@ -98,6 +104,8 @@ def patch(change):
     fused = not change.get("torch_norm_backward")
     triton_norm.rms_norm_backward = NORM_BACKWARD if fused else grads.rms_norm_grads
     triton_ops.attention = _host_synced_attention if change.get("attention_host_sync") else TRITON_ATTENTION
+    torch_attention = change.get("torch_attention_backward")
+    triton_ops.attention_backward = grads.attention_grads if torch_attention else ATTENTION_BACKWARD
 
 
 def model(kernels, dtype, size=SIZE):

@@ -59,7 +59,7 @@ def _attention_record(backend: str) -> dict[str, Any]:
         }
     triton_like = backend == "triton"
     if triton_like:
-        common["backward"] = "closed_form_fp32"  # kernels/grads.py
+        common["backward"] = "triton_two_pass_closed_form_fp32"  # kernels/triton_attention.py
     return {
         "impl": "triton_tiled_online_softmax" if triton_like else "torch_tiled_online_softmax",
         "kv_tile": attention.KV_TILE,

@@ -12,9 +12,15 @@ profile of the invariant 13M train step on an H200 put about half of the host's 
 * :func:`log_softmax`: ``dlogits = g - softmax * sum(g)``; :func:`token_logp` (the gather at ``ids``):
   ``dlogits = onehot(ids) * g - softmax * g``.
 * :func:`attention`: the masked-softmax attention of
-  :func:`~rlfw.kernels.attention.attention_reference`, its probabilities recomputed once in fp32 and
+  :func:`~rlfw.kernels.attention.attention_reference`, its probabilities recomputed in fp32 and
   differentiated by hand (``dv = p^T go``, ``ds = p * (go v^T - rowsum(.. * p))``, ``dq = ds k``,
   ``dk = ds^T q``, times the scale).
+
+RMSNorm and attention take the gradient function as an argument: the torch spelling here
+(:func:`rms_norm_grads`, :func:`attention_grads`), or a Triton kernel of the same math that the GPU op
+sets pass (:mod:`rlfw.kernels.triton_norm`, :mod:`rlfw.kernels.triton_attention`: one launch per norm
+instead of about 17 torch ops, two per attention instead of about 35, and the attention's
+probabilities never held whole).
 """
 
 from __future__ import annotations
@@ -134,45 +140,76 @@ def token_logp(forward_fn: TokenLogpFn, logits: Tensor, ids: Tensor) -> Tensor:
     return out
 
 
+def attention_grads(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, grad: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`~rlfw.kernels.attention.attention_reference` for the output gradient
+    ``grad``, in fp32 torch ops (the probabilities ``[B, Hkv, R, S]`` held whole)."""
+    t, hkv = q.shape[1], k.shape[2]
+    qg, pos, p = reference_probabilities(q, k, q_pos, scale)  # [B, Hkv, R, D], [B, Hkv, R], [.., S]
+    kf = k.float().transpose(1, 2)  # [B, Hkv, S, D]
+    vf = v.float().transpose(1, 2)
+    go = group_queries(grad, hkv).masked_fill((pos < 0)[..., None], 0.0)  # padding rows: zeroed out
+    dv = torch.matmul(p.transpose(-1, -2), go).transpose(1, 2).to(v.dtype)
+    dp = torch.matmul(go, vf.transpose(-1, -2))
+    ds = p.mul_(dp - (dp * p).sum(-1, keepdim=True)).mul_(scale)
+    dq = ungroup(torch.matmul(ds, kf), t).to(q.dtype)
+    dk = torch.matmul(ds.transpose(-1, -2), qg).transpose(1, 2).to(k.dtype)
+    return dq, dk, dv
+
+
+AttentionGradsFn = Callable[[Tensor, Tensor, Tensor, Tensor, float, Tensor], tuple[Tensor, Tensor, Tensor]]
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, forward_fn: AttentionFn
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor,
+        scale: float,
+        forward_fn: AttentionFn,
+        grads_fn: AttentionGradsFn,
     ) -> Tensor:
         ctx.save_for_backward(q, k, v, q_pos)
         ctx.scale = scale
+        ctx.grads_fn = grads_fn
         return forward_fn(q, k, v, q_pos, scale)
 
     @staticmethod
     def backward(
         ctx: Any, grad: Tensor
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None]:
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None, None]:
         q, k, v, q_pos = ctx.saved_tensors
-        scale = ctx.scale
-        t, hkv = q.shape[1], k.shape[2]
-        qg, pos, p = reference_probabilities(q, k, q_pos, scale)  # [B, Hkv, R, D], [B, Hkv, R], [.., S]
-        kf = k.float().transpose(1, 2)  # [B, Hkv, S, D]
-        vf = v.float().transpose(1, 2)
-        go = group_queries(grad, hkv).masked_fill((pos < 0)[..., None], 0.0)  # padding rows: zeroed out
-        dq = dk = dv = None
-        if ctx.needs_input_grad[2]:
-            dv = torch.matmul(p.transpose(-1, -2), go).transpose(1, 2).to(v.dtype)
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dp = torch.matmul(go, vf.transpose(-1, -2))
-            ds = p.mul_(dp - (dp * p).sum(-1, keepdim=True)).mul_(scale)
-            if ctx.needs_input_grad[0]:
-                dq = ungroup(torch.matmul(ds, kf), t).to(q.dtype)
-            if ctx.needs_input_grad[1]:
-                dk = torch.matmul(ds.transpose(-1, -2), qg).transpose(1, 2).to(k.dtype)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = ctx.grads_fn(q, k, v, q_pos, ctx.scale, grad)
+        need = ctx.needs_input_grad
+        return (
+            dq if need[0] else None,
+            dk if need[1] else None,
+            dv if need[2] else None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def attention(
-    forward_fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
+    forward_fn: AttentionFn,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    scale: float,
+    grads_fn: AttentionGradsFn = attention_grads,
 ) -> Tensor:
     """``forward_fn(q, k, v, q_pos, scale)`` (causal attention over the batch's own K/V, see
-    :meth:`~rlfw.kernels.registry.Ops.attention`), with the closed-form gradient under autograd."""
+    :meth:`~rlfw.kernels.registry.Ops.attention`), with the closed-form gradient under autograd:
+    ``grads_fn`` (:func:`attention_grads`, or the Triton kernels of the same math,
+    :func:`~rlfw.kernels.triton_attention.attention_backward`)."""
     if not needs_grad(q, k, v):
         return forward_fn(q, k, v, q_pos, scale)
-    out: Tensor = _Attention.apply(q, k, v, q_pos, scale, forward_fn)
+    out: Tensor = _Attention.apply(q, k, v, q_pos, scale, forward_fn, grads_fn)
     return out

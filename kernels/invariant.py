@@ -62,6 +62,7 @@ class InvariantOps:
             self._linear = vllm_ops.linear
             self._rms_norm = vllm_ops.rms_norm
             self._attention = vllm_ops.attention
+            self._attention_grads = vllm_ops.attention_backward
             self._log_softmax = vllm_ops.log_softmax
             self._token_logp = vllm_ops.token_logp
         elif self.backend == "triton":
@@ -70,12 +71,14 @@ class InvariantOps:
             self._linear = triton_ops.linear
             self._rms_norm = triton_ops.rms_norm
             self._attention = triton_ops.attention
+            self._attention_grads = triton_ops.attention_backward
             self._log_softmax = triton_ops.log_softmax
             self._token_logp = triton_ops.token_logp
         else:
             self._linear = matmul.linear
             self._rms_norm = norm.rms_norm
             self._attention = attn.attention
+            self._attention_grads = grads.attention_grads
             self._log_softmax = softmax.log_softmax
             self._token_logp = softmax.token_logp
 
@@ -119,7 +122,7 @@ class InvariantOps:
             return recompute_backward(
                 self._attention, attn.attention_reference, q, k_cache, v_cache, q_pos, scale
             )
-        return grads.attention(self._attention, q, k_cache, v_cache, q_pos, scale)
+        return grads.attention(self._attention, q, k_cache, v_cache, q_pos, scale, self._attention_grads)
 
     def log_softmax(self, logits: Tensor) -> Tensor:
         return self._log_softmax(logits)

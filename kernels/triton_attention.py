@@ -87,3 +87,145 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale:
         TILE=KV_TILE, BLOCK_R=ATTN_BLOCK_R, BLOCK_D=max(16, triton.next_power_of_2(d)), ROW_EXACT=INTERPRETED,
     )  # fmt: skip
     return ungroup(out, t).to(q.dtype)
+
+
+@triton.jit
+def _load_rows(ptr, bh, rows, dd, R, D):
+    mask = (rows[:, None] < R) & (dd[None, :] < D)
+    return tl.load(ptr + (bh * R + rows[:, None]) * D + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _attention_backward_rows_kernel(
+    q_ptr, k_ptr, v_ptr, go_ptr, pos_ptr, last_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, R, S, D, HKV, scale,
+    stride_kb, stride_ks, stride_kh,
+    TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROW_EXACT: tl.constexpr,
+):  # fmt: skip
+    # Rows of one (batch entry, KV head): the softmax statistics in one pass over the visible KV tiles, then
+    # dq = scale * (sum_s p dp k - delta * sum_s p k) and delta = sum_s p dp in a second.
+    bh = tl.program_id(0)
+    b = bh // HKV
+    h = bh % HKV
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    dd = tl.arange(0, BLOCK_D)
+    row_mask = rows < R
+    q = _load_rows(q_ptr, bh, rows, dd, R, D)
+    go = _load_rows(go_ptr, bh, rows, dd, R, D)
+    pos = tl.load(pos_ptr + bh * R + rows, mask=row_mask, other=-1)
+    last = tl.load(last_ptr + b)  # slots after it are read as zeros, whatever the buffer holds
+    n_tiles = tl.minimum((tl.max(pos, axis=0) + TILE) // TILE, tl.cdiv(S, TILE))
+    m = tl.full((BLOCK_R,), -1.0e30, tl.float32)  # finite: rows that see nothing (padding) stay at 0
+    denom = tl.zeros((BLOCK_R,), tl.float32)
+    for j in range(0, n_tiles):
+        slots = j * TILE + tl.arange(0, TILE)
+        k = _load_kv(k_ptr, b, h, slots, dd, S, D, last, stride_kb, stride_ks, stride_kh)
+        s = tile_dot(q, tl.trans(k), ROW_EXACT) * scale
+        s = tl.where(slots[None, :] <= pos[:, None], s, -1.0e30)
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.where(slots[None, :] <= pos[:, None], tl.exp(s - m_new[:, None]), 0.0)
+        denom = denom * tl.exp(m - m_new) + tl.sum(p, axis=1)
+        m = m_new
+    inv = tl.where(denom > 0, 1.0 / tl.maximum(denom, 1.0e-30), 0.0)
+    pdk = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    pk = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    delta = tl.zeros((BLOCK_R,), tl.float32)
+    for j in range(0, n_tiles):
+        slots = j * TILE + tl.arange(0, TILE)
+        k = _load_kv(k_ptr, b, h, slots, dd, S, D, last, stride_kb, stride_ks, stride_kh)
+        v = _load_kv(v_ptr, b, h, slots, dd, S, D, last, stride_kb, stride_ks, stride_kh)
+        visible = slots[None, :] <= pos[:, None]
+        s = tl.where(visible, tile_dot(q, tl.trans(k), ROW_EXACT) * scale, -1.0e30)
+        p = tl.where(visible, tl.exp(s - m[:, None]), 0.0) * inv[:, None]
+        pdp = p * tile_dot(go, tl.trans(v), ROW_EXACT)
+        delta += tl.sum(pdp, axis=1)
+        pdk += tile_dot(pdp, k, ROW_EXACT)
+        pk += tile_dot(p, k, ROW_EXACT)
+    dq = (pdk - delta[:, None] * pk) * scale
+    tl.store(
+        dq_ptr + (bh * R + rows[:, None]) * D + dd[None, :], dq, mask=row_mask[:, None] & (dd[None, :] < D)
+    )
+    tl.store(m_ptr + bh * R + rows, m, mask=row_mask)
+    tl.store(l_ptr + bh * R + rows, inv, mask=row_mask)
+    tl.store(delta_ptr + bh * R + rows, delta, mask=row_mask)
+
+
+@triton.jit
+def _attention_backward_slots_kernel(
+    q_ptr, k_ptr, v_ptr, go_ptr, pos_ptr, last_ptr, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr,
+    R, S, D, HKV, scale, stride_kb, stride_ks, stride_kh,
+    TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROW_EXACT: tl.constexpr,
+):  # fmt: skip
+    # One KV tile of one (batch entry, KV head) against every query row: dv = sum_r p go and
+    # dk = scale * sum_r p (dp - delta) q, with the rows' statistics from the kernel above.
+    bh = tl.program_id(0)
+    b = bh // HKV
+    h = bh % HKV
+    slots = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    dd = tl.arange(0, BLOCK_D)
+    last = tl.load(last_ptr + b)
+    k = _load_kv(k_ptr, b, h, slots, dd, S, D, last, stride_kb, stride_ks, stride_kh)
+    v = _load_kv(v_ptr, b, h, slots, dd, S, D, last, stride_kb, stride_ks, stride_kh)
+    dk = tl.zeros((TILE, BLOCK_D), tl.float32)
+    dv = tl.zeros((TILE, BLOCK_D), tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_mask = rows < R
+        q = _load_rows(q_ptr, bh, rows, dd, R, D)
+        go = _load_rows(go_ptr, bh, rows, dd, R, D)
+        pos = tl.load(pos_ptr + bh * R + rows, mask=row_mask, other=-1)
+        m = tl.load(m_ptr + bh * R + rows, mask=row_mask, other=0.0)
+        inv = tl.load(l_ptr + bh * R + rows, mask=row_mask, other=0.0)
+        delta = tl.load(delta_ptr + bh * R + rows, mask=row_mask, other=0.0)
+        visible = slots[None, :] <= pos[:, None]
+        s = tl.where(visible, tile_dot(q, tl.trans(k), ROW_EXACT) * scale, -1.0e30)
+        p = tl.where(visible, tl.exp(s - m[:, None]), 0.0) * inv[:, None]  # [rows, slots]
+        dp = tile_dot(go, tl.trans(v), ROW_EXACT)
+        ds = p * (dp - delta[:, None])
+        dv += tile_dot(tl.trans(p), go, ROW_EXACT)
+        dk += tile_dot(tl.trans(ds), q, ROW_EXACT)
+    offs = b * stride_kb + slots[:, None] * stride_ks + h * stride_kh + dd[None, :]
+    mask = (slots[:, None] < S) & (dd[None, :] < D)
+    tl.store(dk_ptr + offs, dk * scale, mask=mask)
+    tl.store(dv_ptr + offs, dv, mask=mask)
+
+
+def attention_backward(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, grad: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`attention` (the math of
+    :func:`~rlfw.kernels.attention.attention_reference`) for the output gradient ``grad``: two launches
+    in fp32, the probabilities recomputed tile by tile and never stored whole (memory linear in the
+    sequence length). Padding queries (negative position) get and give zero gradients; slots after a
+    batch row's last position are read as zeros, as in the forward."""
+    b, t, hq, d = q.shape
+    s_len, hkv = k.shape[1], k.shape[2]
+    qg = group_queries(q, hkv).contiguous()
+    go = group_queries(grad, hkv).contiguous()
+    pos = q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1).contiguous()
+    last = q_pos.amax(-1).contiguous() if t > 0 else q_pos.new_full((b,), -1)
+    k, v = k.contiguous(), v.contiguous()
+    r = qg.shape[2]
+    dq = torch.empty_like(qg)
+    stats = torch.empty(3, b, hkv, r, dtype=torch.float32, device=q.device)  # max, 1 / sum, delta
+    dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+    meta = {
+        "TILE": KV_TILE,
+        "BLOCK_R": ATTN_BLOCK_R,
+        "BLOCK_D": max(16, triton.next_power_of_2(d)),
+        "ROW_EXACT": INTERPRETED,
+    }
+    if b * hkv and r:
+        _attention_backward_rows_kernel[(b * hkv, triton.cdiv(r, ATTN_BLOCK_R))](
+            qg, k, v, go, pos, last, dq, stats[0], stats[1], stats[2], r, s_len, d, hkv, scale,
+            k.stride(0), k.stride(1), k.stride(2), **meta,
+        )  # fmt: skip
+    if b * hkv and s_len:
+        _attention_backward_slots_kernel[(b * hkv, triton.cdiv(s_len, KV_TILE))](
+            qg, k, v, go, pos, last, stats[0], stats[1], stats[2], dk, dv, r, s_len, d, hkv, scale,
+            k.stride(0), k.stride(1), k.stride(2), **meta,
+        )  # fmt: skip
+    if not r or not s_len:
+        for out in (dq, dk, dv):
+            out.zero_()
+    return ungroup(dq, t).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

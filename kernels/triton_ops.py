@@ -2,7 +2,8 @@
 
 Kernels: matmul/linear, RMSNorm, log-softmax (+ token gather) and attention. Each forward is wrapped so
 that training takes the closed-form gradient of the same math (:mod:`rlfw.kernels.grads`; RMSNorm's in
-one Triton launch, :func:`~rlfw.kernels.triton_norm.rms_norm_backward`); RoPE,
+one Triton launch, :func:`~rlfw.kernels.triton_norm.rms_norm_backward`, the attention's in two,
+:func:`~rlfw.kernels.triton_attention.attention_backward`); RoPE,
 SiLU-mul, entropy's final row sum and the router reuse the torch path (elementwise or tiny).
 """
 
@@ -28,6 +29,7 @@ def token_logp(logits: Tensor, ids: Tensor) -> Tensor:
 
 
 attention = triton_attention.attention
+attention_backward = triton_attention.attention_backward
 
 
-__all__ = ["attention", "linear", "log_softmax", "rms_norm", "token_logp"]
+__all__ = ["attention", "attention_backward", "linear", "log_softmax", "rms_norm", "token_logp"]

@@ -6,7 +6,8 @@ trainer's forward on the same kernels as the vLLM engine makes trainer and engin
 construction, so rlfw uses them rather than tuning kernels of its own for GPUs. The backward passes are
 rlfw's (:mod:`rlfw.kernels.autograd`, :mod:`rlfw.kernels.grads`): the linear's two textbook matmuls, and
 for RMSNorm, log-softmax and attention the closed-form gradients in fp32 (RMSNorm's in one Triton program
-per row, :func:`~rlfw.kernels.triton_norm.rms_norm_backward`; the others in torch ops).
+per row, :func:`~rlfw.kernels.triton_norm.rms_norm_backward`, the attention's in two Triton launches,
+:func:`~rlfw.kernels.triton_attention.attention_backward`; log-softmax's in torch ops).
 
 Attention in fp16/bf16 is vLLM's batch-invariant FlashAttention (one KV split), called on a paged view
 of the keys as vLLM calls it (:mod:`rlfw.kernels.vllm_attention`); FlashAttention has no fp32 kernel, so
@@ -100,6 +101,16 @@ def log_softmax(logits: Tensor) -> Tensor:
 def token_logp(logits: Tensor, ids: Tensor) -> Tensor:
     """The gather of :func:`log_softmax` at ``ids``: the same bits as the full row's entry."""
     return log_softmax(logits).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+def attention_backward(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, grad: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention's gradients: rlfw's Triton backward of the same math, whichever kernel served the
+    forward (vLLM's FlashAttention in bf16, rlfw's Triton attention in fp32)."""
+    from rlfw.kernels import triton_attention
+
+    return triton_attention.attention_backward(q, k, v, q_pos, scale, grad)
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:

@@ -10,12 +10,15 @@ from torch import Tensor
 from rlfw.model import build_preset
 
 
-def model_grads(kernels: str, dtype: torch.dtype, device: str = "cpu", ops: Any = None) -> dict[str, Tensor]:
+def model_grads(
+    kernels: str, dtype: torch.dtype, device: str = "cpu", ops: Any = None, length: int = 40
+) -> dict[str, Tensor]:
     """fp32 copies of every parameter's gradient of ``sum(logp * mask)`` on ``tiny_dense`` (seed 7), three
-    sequences of 40 tokens, one padded after 30; ``ops`` replaces the model's op set when given."""
-    ids = torch.randint(4, 96, (3, 40), generator=torch.Generator().manual_seed(0)).to(device)
+    sequences of ``length`` tokens, the second padded after three quarters of them; ``ops`` replaces the
+    model's op set when given."""
+    ids = torch.randint(4, 96, (3, length), generator=torch.Generator().manual_seed(0)).to(device)
     mask = torch.ones_like(ids)
-    mask[1, 30:] = 0
+    mask[1, 3 * length // 4 :] = 0
     model = build_preset("tiny_dense", dtype=dtype, seed=7, kernels=kernels).to(device).train()
     if ops is not None:
         model.ops = ops
