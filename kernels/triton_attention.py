@@ -26,29 +26,46 @@ def _load_kv(ptr, b, h, slots, dd, S, D, last, stride_b, stride_s, stride_h):
 
 
 @triton.jit
+def _load_rows(ptr, bh, rows, dd, R, D):
+    mask = (rows[:, None] < R) & (dd[None, :] < D)
+    return tl.load(ptr + (bh * R + rows[:, None]) * D + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, bh, rows, dd, R, D, value):
+    mask = (rows[:, None] < R) & (dd[None, :] < D)
+    tl.store(ptr + (bh * R + rows[:, None]) * D + dd[None, :], value, mask=mask)
+
+
+@triton.jit
+def _row_block(
+    pos_ptr, last_ptr, R, S, HKV, TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    # This program's query rows of one (batch entry, KV head), their positions, the batch row's last
+    # position (slots after it are read as zeros, whatever the buffer holds) and the KV tiles up to the
+    # block's last query position. The tiles after it would leave every row's state as it is (see the
+    # module), so the bound changes no bits; it is found here, not on the host, so a launch never waits
+    # for the device.
+    bh = tl.program_id(0)
+    b = bh // HKV
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pos = tl.load(pos_ptr + bh * R + rows, mask=rows < R, other=-1)
+    last = tl.load(last_ptr + b)
+    n_tiles = tl.minimum((tl.max(pos, axis=0) + TILE) // TILE, tl.cdiv(S, TILE))
+    return bh, b, bh % HKV, rows, tl.arange(0, BLOCK_D), pos, last, n_tiles
+
+
+@triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, last_ptr, o_ptr, R, S, D, HKV, cap_tiles, scale,
+    q_ptr, k_ptr, v_ptr, pos_ptr, last_ptr, o_ptr, R, S, D, HKV, scale,
     stride_kb, stride_ks, stride_kh,
     TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROW_EXACT: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0)
-    b = bh // HKV
-    h = bh % HKV
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    dd = tl.arange(0, BLOCK_D)
-    row_mask = rows < R
-    q_offs = (bh * R + rows[:, None]) * D + dd[None, :]
-    q_mask = row_mask[:, None] & (dd[None, :] < D)
-    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)  # tl.dot takes one dtype
-    pos = tl.load(pos_ptr + bh * R + rows, mask=row_mask, other=-1)
-    last = tl.load(last_ptr + b)
+    bh, b, h, rows, dd, pos, last, n_tiles = _row_block(pos_ptr, last_ptr, R, S, HKV, TILE, BLOCK_R, BLOCK_D)
+    q = _load_rows(q_ptr, bh, rows, dd, R, D)  # fp32: tl.dot takes one dtype
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    # Tiles up to this program's last query position: the tiles after it would leave every row's state
-    # as it is (see the module), so the bound changes no bits; it is found here, not on the host, so a
-    # launch never waits for the device.
-    n_tiles = tl.minimum((tl.max(pos, axis=0) + TILE) // TILE, cap_tiles)
     for j in range(0, n_tiles):
         lo = j * TILE
         slots = lo + tl.arange(0, TILE)
@@ -67,32 +84,34 @@ def _attention_kernel(
         denom = tl.where(active, denom_new, denom)
         acc = tl.where(active[:, None], acc_new, acc)
     out = tl.where((pos >= 0)[:, None], acc / tl.maximum(denom, 1.0)[:, None], 0.0)
-    tl.store(o_ptr + q_offs, out, mask=row_mask[:, None] & (dd[None, :] < D))
+    _store_rows(o_ptr, bh, rows, dd, R, D, out)
+
+
+def _grouped(q: Tensor, q_pos: Tensor, hkv: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernels' view of the queries: grouped fp32 rows ``[B, Hkv, R, D]``, each row's position
+    ``[B, Hkv, R]`` and each batch row's last position ``[B]``."""
+    b, t, hq, _ = q.shape
+    qg = group_queries(q, hkv).contiguous()
+    pos = q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1).contiguous()
+    last = q_pos.amax(-1).contiguous() if t > 0 else q_pos.new_full((b,), -1)
+    return qg, pos, last
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, scale: float) -> Tensor:
     """See :meth:`rlfw.kernels.registry.Ops.attention`; the result is in ``q.dtype``."""
-    b, t, hq, d = q.shape
+    b, t, _, d = q.shape
     s_cap, hkv = k_cache.shape[1], k_cache.shape[2]
-    qg = group_queries(q, hkv).contiguous()
-    pos = q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1).contiguous()
-    last = q_pos.amax(-1).contiguous() if t > 0 else q_pos.new_full((b,), -1)
+    qg, pos, last = _grouped(q, q_pos, hkv)
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     out = torch.empty_like(qg)
     r = qg.shape[2]
     grid = (b * hkv, triton.cdiv(r, ATTN_BLOCK_R))
     _attention_kernel[grid](
-        qg, k_cache, v_cache, pos, last, out, r, s_cap, d, hkv, triton.cdiv(s_cap, KV_TILE), scale,
+        qg, k_cache, v_cache, pos, last, out, r, s_cap, d, hkv, scale,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         TILE=KV_TILE, BLOCK_R=ATTN_BLOCK_R, BLOCK_D=max(16, triton.next_power_of_2(d)), ROW_EXACT=INTERPRETED,
     )  # fmt: skip
     return ungroup(out, t).to(q.dtype)
-
-
-@triton.jit
-def _load_rows(ptr, bh, rows, dd, R, D):
-    mask = (rows[:, None] < R) & (dd[None, :] < D)
-    return tl.load(ptr + (bh * R + rows[:, None]) * D + dd[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -103,17 +122,9 @@ def _attention_backward_rows_kernel(
 ):  # fmt: skip
     # Rows of one (batch entry, KV head): the softmax statistics in one pass over the visible KV tiles, then
     # dq = scale * (sum_s p dp k - delta * sum_s p k) and delta = sum_s p dp in a second.
-    bh = tl.program_id(0)
-    b = bh // HKV
-    h = bh % HKV
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    dd = tl.arange(0, BLOCK_D)
-    row_mask = rows < R
+    bh, b, h, rows, dd, pos, last, n_tiles = _row_block(pos_ptr, last_ptr, R, S, HKV, TILE, BLOCK_R, BLOCK_D)
     q = _load_rows(q_ptr, bh, rows, dd, R, D)
     go = _load_rows(go_ptr, bh, rows, dd, R, D)
-    pos = tl.load(pos_ptr + bh * R + rows, mask=row_mask, other=-1)
-    last = tl.load(last_ptr + b)  # slots after it are read as zeros, whatever the buffer holds
-    n_tiles = tl.minimum((tl.max(pos, axis=0) + TILE) // TILE, tl.cdiv(S, TILE))
     m = tl.full((BLOCK_R,), -1.0e30, tl.float32)  # finite: rows that see nothing (padding) stay at 0
     denom = tl.zeros((BLOCK_R,), tl.float32)
     for j in range(0, n_tiles):
@@ -141,12 +152,10 @@ def _attention_backward_rows_kernel(
         pdk += tile_dot(pdp, k, ROW_EXACT)
         pk += tile_dot(p, k, ROW_EXACT)
     dq = (pdk - delta[:, None] * pk) * scale
-    tl.store(
-        dq_ptr + (bh * R + rows[:, None]) * D + dd[None, :], dq, mask=row_mask[:, None] & (dd[None, :] < D)
-    )
-    tl.store(m_ptr + bh * R + rows, m, mask=row_mask)
-    tl.store(l_ptr + bh * R + rows, inv, mask=row_mask)
-    tl.store(delta_ptr + bh * R + rows, delta, mask=row_mask)
+    _store_rows(dq_ptr, bh, rows, dd, R, D, dq)
+    tl.store(m_ptr + bh * R + rows, m, mask=rows < R)
+    tl.store(l_ptr + bh * R + rows, inv, mask=rows < R)
+    tl.store(delta_ptr + bh * R + rows, delta, mask=rows < R)
 
 
 @triton.jit
@@ -197,12 +206,10 @@ def attention_backward(
     in fp32, the probabilities recomputed tile by tile and never stored whole (memory linear in the
     sequence length). Padding queries (negative position) get and give zero gradients; slots after a
     batch row's last position are read as zeros, as in the forward."""
-    b, t, hq, d = q.shape
+    b, t, _, d = q.shape
     s_len, hkv = k.shape[1], k.shape[2]
-    qg = group_queries(q, hkv).contiguous()
+    qg, pos, last = _grouped(q, q_pos, hkv)
     go = group_queries(grad, hkv).contiguous()
-    pos = q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1).contiguous()
-    last = q_pos.amax(-1).contiguous() if t > 0 else q_pos.new_full((b,), -1)
     k, v = k.contiguous(), v.contiguous()
     r = qg.shape[2]
     dq = torch.empty_like(qg)
