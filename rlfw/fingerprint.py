@@ -27,8 +27,19 @@ import torch
 
 from rlfw.model.config import ModelArgs
 
-# Environment variables that change which kernels run or how they reduce (read by ATen, MKL, oneDNN).
-BIT_RELEVANT_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "DNNL_MAX_CPU_ISA")
+# Environment variables that change which kernels run or how they reduce (read by ATen, MKL, oneDNN), and
+# Triton's floating-point settings: whether a kernel that does not ask fuses a * b + c into one fma
+# (vLLM's batch-invariant kernels do not ask; the default flips from on to off in Triton 3.10), and the
+# default fp32 precision of tl.dot.
+BIT_RELEVANT_ENV = (
+    "ATEN_CPU_CAPABILITY",
+    "MKL_CBWR",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "DNNL_MAX_CPU_ISA",
+    "TRITON_DEFAULT_FP_FUSION",
+    "TRITON_FORCE_DISABLE_FP_FUSION",
+    "TRITON_F32_DEFAULT",
+)
 
 
 def _version(package: str) -> str | None:

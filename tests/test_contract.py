@@ -150,3 +150,20 @@ def test_settle_environment_refuses_or_bounds_a_differing_engine(tmp_path: Path)
     assert not any(p["bitwise"] for p in bounded.contract.pairs.values())
     assert bounded.contract.environment["accepted_mismatch"] == ["device.cpu_capability"]
     assert json.loads((tmp_path / "contract.json").read_text())["hash"] == bounded.contract.hash
+
+
+@pytest.mark.parametrize(
+    "name", ["TRITON_DEFAULT_FP_FUSION", "TRITON_FORCE_DISABLE_FP_FUSION", "TRITON_F32_DEFAULT", "MKL_CBWR"]
+)
+def test_bit_relevant_environment_variables_enter_the_fingerprint(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Triton's fma fusion and fp32 dot settings change the bits of every Triton kernel that does not pin
+    them (vLLM's), so two processes that differ in them must not share a hash."""
+    from rlfw.fingerprint import environment_fingerprint
+
+    monkeypatch.delenv(name, raising=False)
+    unset = environment_fingerprint()
+    monkeypatch.setenv(name, "0")
+    set_ = environment_fingerprint()
+    assert set_["env"][name] == "0" and name not in unset["env"] and set_ != unset
