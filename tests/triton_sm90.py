@@ -20,27 +20,31 @@ TARGET = GPUTarget("cuda", 90, 32)
 F32, BF16, I64 = "*fp32", "*bf16", "*i64"
 
 
-def compile_for_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any]) -> int:
-    """Compile ``kernel``; parameters not named in ``types`` are i32 scalars. Returns the cubin's size."""
+def compile_for_sm90(
+    kernel: Any, types: dict[str, str], constexprs: dict[str, Any], options: dict[str, int] | None = None
+) -> int:
+    """Compile ``kernel`` (launch ``options`` such as ``num_warps``); parameters not named in ``types`` are
+    i32 scalars. Returns the cubin's size."""
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     source = ASTSource(
         fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}
     )
-    return len(triton.compile(source, target=TARGET).asm["cubin"])
+    return len(triton.compile(source, target=TARGET, options=options or {}).asm["cubin"])
 
 
 def main() -> None:
     large = triton_config.MM_TILES_LARGE
     tiles = {"BLOCK_M": large.block_m, "BLOCK_N": large.block_n, "ROW_EXACT": False}
+    launch = {"num_warps": large.num_warps, "num_stages": large.num_stages}
     attn = {"TILE": 32, "BLOCK_R": triton_config.ATTN_BLOCK_R, "BLOCK_D": 64, "ROW_EXACT": False}
     rows_bwd = {"q_ptr": F32, "k_ptr": BF16, "v_ptr": BF16, "go_ptr": F32, "pos_ptr": I64, "last_ptr": I64}
     stats = {"m_ptr": F32, "l_ptr": F32, "delta_ptr": F32, "scale": "fp32"}
     cases = [
         (triton_matmul._matmul_kernel, {"a_ptr": F32, "b_ptr": F32, "c_ptr": F32},
-         {**tiles, "BLOCK_K": triton_config.MM_BLOCK_K, "WIDEN": True}),
+         {**tiles, "BLOCK_K": triton_config.MM_BLOCK_K, "WIDEN": True}, launch),
         (triton_matmul._matmul_kernel, {"a_ptr": BF16, "b_ptr": BF16, "c_ptr": BF16},
-         {**tiles, "BLOCK_K": triton_config.MM_BLOCK_K_16, "WIDEN": False}),
+         {**tiles, "BLOCK_K": triton_config.MM_BLOCK_K_16, "WIDEN": False}, launch),
         (triton_norm._rms_norm_kernel, {"x_ptr": BF16, "w_ptr": BF16, "y_ptr": BF16, "eps": "fp32"},
          {"BLOCK_D": 64}),
         (triton_norm._rms_norm_backward_kernel,
@@ -57,8 +61,8 @@ def main() -> None:
         (triton_attention._attention_backward_slots_kernel,
          {**rows_bwd, **stats, "dk_ptr": F32, "dv_ptr": F32}, attn),
     ]  # fmt: skip
-    for kernel, types, constexprs in cases:
-        print(kernel.fn.__name__, compile_for_sm90(kernel, types, constexprs), flush=True)
+    for kernel, types, constexprs, *options in cases:
+        print(kernel.fn.__name__, compile_for_sm90(kernel, types, constexprs, *options), flush=True)
     print("ok")
 
 
