@@ -1,0 +1,99 @@
+"""The compiled CPU linear of this checkout against the one of another revision, side by side.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/linear_ab.py --rev HEAD~1 [--reps 15] [--rows 1040]
+
+Builds ``kernels/csrc`` as it is at ``--rev`` into a second extension (in a temporary folder, with this
+checkout's compiler flags), then times the trainer's three products per linear of the 13M model, forward
+``x @ W.T``, input gradient ``g @ W`` and weight gradient ``g.T @ x`` (a micro-batch of ``--rows`` rows,
+about 16 sequences of 65 tokens), each as the trainer calls it (the weight packed per call), alternating
+the two builds call by call (medians). Every product must give the same bits from both builds: a kernel
+change that moves speed may not move a bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import machine  # noqa: E402
+from paired import alternated_medians  # noqa: E402
+
+from rlfw.kernels import cpu_native  # noqa: E402
+
+SHAPES = [(512, 512), (512, 1536), (1536, 512), (512, 362)]  # (K, N) of the 13M model's weights [N, K]
+
+
+def build_at(rev: str, folder: Path):  # type: ignore[no-untyped-def]
+    """The extension built from ``kernels/csrc`` at git revision ``rev``."""
+    from torch.utils.cpp_extension import load
+
+    root = Path(__file__).resolve().parent.parent
+    sources = []
+    for path in cpu_native.SOURCES + cpu_native.HEADERS:
+        text = subprocess.run(
+            ["git", "show", f"{rev}:kernels/csrc/{path.name}"], cwd=root, capture_output=True, check=True
+        ).stdout
+        (folder / path.name).write_bytes(text)
+        if path in cpu_native.SOURCES:
+            sources.append(str(folder / path.name))
+    return load(
+        name="rlfw_cpu_kernels_ab",
+        sources=sources,
+        extra_cflags=list(cpu_native.CFLAGS),
+        extra_ldflags=list(cpu_native.LDFLAGS),
+        build_directory=str(folder),
+        verbose=False,
+    )
+
+
+def products(rows: int, k: int, n: int) -> list[tuple[str, Callable[[Any], torch.Tensor]]]:
+    """The trainer's three products for a weight [n, k] and ``rows`` rows, each a call on a build."""
+    g = torch.Generator().manual_seed(k * n)
+    x, w, grad = (torch.randn(*shape, generator=g) for shape in ((rows, k), (n, k), (rows, n)))
+    gt = grad.t().contiguous()
+    return [
+        ("forward", lambda mod: mod.linear(x, w)),
+        ("input grad", lambda mod: mod.linear_t(grad, w)),
+        ("weight grad", lambda mod: mod.linear_t(gt, x)),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rev", required=True, help="the git revision to compare with (e.g. HEAD~1)")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--rows", type=int, default=1040)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    here = cpu_native.module()
+    with tempfile.TemporaryDirectory() as tmp:
+        there = build_at(a.rev, Path(tmp))
+        print(f"{machine.describe()}; this checkout against {a.rev}, {a.rows} rows, medians of {a.reps}")
+        totals = [0.0, 0.0]
+        for k, n in SHAPES:
+            for name, call in products(a.rows, k, n):
+                if not torch.equal(call(here).view(torch.int32), call(there).view(torch.int32)):
+                    raise SystemExit(f"{name} {k}->{n}: the two builds give different bits")
+                t_there, t_here = alternated_medians([partial(call, there), partial(call, here)], a.reps)
+                totals[0] += t_there
+                totals[1] += t_here
+                gflops = 2 * a.rows * k * n / 1e9
+                print(
+                    f"{k:5d} -> {n:5d} {name:11s}: {a.rev} {gflops / t_there:6.1f} GFLOP/s, "
+                    f"here {gflops / t_here:6.1f} ({t_here / t_there:.3f}x the time)",
+                    flush=True,
+                )
+        print(f"all products: here {totals[1] / totals[0]:.3f}x the time of {a.rev}")
+
+
+if __name__ == "__main__":
+    main()
