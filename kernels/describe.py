@@ -75,8 +75,8 @@ def _attention_record(backend: str) -> dict[str, Any]:
 def _rms_norm_record(triton_like: bool, off_cpu: bool) -> dict[str, Any]:
     common = {"accumulate": "fp32", "round": "normed_to_input_dtype_then_weight_mul"}
     if triton_like:
-        # training: the closed form in one Triton program per row (kernels/triton_norm.py); the vLLM
-        # backend, which serves the forward from vLLM, overrides this with the torch spelling
+        # training: the closed form in one Triton program per row (kernels/triton_norm.py), on the vLLM
+        # backend too (whose forward is vLLM's)
         return {"impl": "triton_row", "sum_chunk": None, "backward": "triton_row_closed_form_fp32", **common}
     torch_row = {"impl": "torch_row", "sum_chunk": reduce.SUM_CHUNK, **common}
     if off_cpu:
@@ -145,7 +145,11 @@ def _describe_vllm() -> dict[str, Any]:
     }
     record["backend"] = "vllm"
     record["linear"] = {"impl": vllm_ops.IMPLEMENTATIONS["linear"], "split_k": False, **served}
-    record["rms_norm"] = {"impl": vllm_ops.IMPLEMENTATIONS["rms_norm"], **served}
+    record["rms_norm"] = {
+        "impl": vllm_ops.IMPLEMENTATIONS["rms_norm"],
+        **served,
+        "backward": record["rms_norm"]["backward"],  # rlfw's Triton kernel, as on the Triton backend
+    }
     record["log_softmax"] = {"impl": vllm_ops.IMPLEMENTATIONS["log_softmax"], **served}
     record["token_logp"] = {"impl": vllm_ops.IMPLEMENTATIONS["token_logp"]}
     record["attention"] = {
@@ -154,6 +158,7 @@ def _describe_vllm() -> dict[str, Any]:
         "page_size": vllm_attention.BLOCK_SIZE,
         "fp32_impl": vllm_ops.IMPLEMENTATIONS["attention_fp32"],
         **served,
+        "backward": record["attention"]["backward"],  # rlfw's Triton kernels, as on the Triton backend
     }
     record["entropy"] = {"impl": "vllm_log_softmax_then_row_sum", "sum_chunk": reduce.SUM_CHUNK}
     return record

@@ -209,7 +209,9 @@ def attention_backward(
     b, t, _, d = q.shape
     s_len, hkv = k.shape[1], k.shape[2]
     qg, pos, last = _grouped(q, q_pos, hkv)
-    go = group_queries(grad, hkv).contiguous()
+    # padding queries' output gradients are dropped here, not multiplied by their zero probabilities
+    # (0 * inf is NaN)
+    go = group_queries(grad, hkv).masked_fill((pos < 0)[..., None], 0.0).contiguous()
     k, v = k.contiguous(), v.contiguous()
     r = qg.shape[2]
     dq = torch.empty_like(qg)

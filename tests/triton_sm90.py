@@ -37,7 +37,7 @@ def main() -> None:
     large = triton_config.MM_TILES_LARGE
     tiles = {"BLOCK_M": large.block_m, "BLOCK_N": large.block_n, "ROW_EXACT": False}
     launch = {"num_warps": large.num_warps, "num_stages": large.num_stages}
-    attn = {"TILE": 32, "BLOCK_R": triton_config.ATTN_BLOCK_R, "BLOCK_D": 64, "ROW_EXACT": False}
+    attn = {"TILE": 32, "BLOCK_R": triton_config.ATTN_BLOCK_R, "BLOCK_D": 128, "ROW_EXACT": False}  # Qwen3's
     rows_bwd = {"q_ptr": F32, "k_ptr": BF16, "v_ptr": BF16, "go_ptr": F32, "pos_ptr": I64, "last_ptr": I64}
     stats = {"m_ptr": F32, "l_ptr": F32, "delta_ptr": F32, "scale": "fp32"}
     cases = [

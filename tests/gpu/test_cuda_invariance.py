@@ -82,7 +82,29 @@ def test_four_modes_give_the_same_logp_bits(preset: str, dtype: torch.dtype) -> 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_training_gradients_match_the_default_ops(dtype: torch.dtype) -> None:
-    """The invariant op set's backward passes (the linear's matmuls, the closed forms of kernels/grads.py,
-    RMSNorm's fused Triton kernel) against the default op set's fp32 gradients."""
+    """The invariant op set's backward passes (the linear's matmuls, the closed form of log-softmax,
+    RMSNorm's and the attention's Triton kernels) against the default op set's fp32 gradients."""
     want = model_grads("default", torch.float32, "cuda")
     assert_grads_close(model_grads("invariant", dtype, "cuda"), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_attention_backward_matches_the_torch_closed_form(dtype: torch.dtype, head_dim: int) -> None:
+    """rlfw's two attention backward kernels as the GPU compiles them (``tl.dot`` in IEEE fp32, which the
+    interpreter never runs) against the torch closed form: several KV tiles, a sequence starting at
+    position 3, padding queries."""
+    from rlfw.kernels import grads, triton_attention
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, grad = (torch.randn(3, 100, 8, head_dim, device="cuda", generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(3, 104, 2, head_dim, device="cuda", generator=g).to(dtype) for _ in range(2))
+    q_pos = torch.arange(100, device="cuda").repeat(3, 1)
+    q_pos[0] += 3
+    q_pos[1, 60:] = -1
+    want = grads.attention_grads(q.float(), k.float(), v.float(), q_pos, 0.125, grad.float())
+    ours = triton_attention.attention_backward(q, k, v, q_pos, 0.125, grad)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    for name, a, b in zip(("dq", "dk", "dv"), ours, want, strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b, atol=tol, rtol=tol, msg=name)

@@ -86,21 +86,26 @@ def test_attention_with_gqa_and_padding_queries(tri: InvariantOps) -> None:
 def test_triton_attention_backward_is_the_torch_closed_form_over_several_tiles() -> None:
     """The two Triton kernels (rows: dq and the softmax statistics; KV tiles: dk, dv) against
     :func:`grads.attention_grads`, over three KV tiles and several row blocks, with sequences of
-    different lengths; slots after a row's last position hold NaN and must not reach any gradient."""
+    different lengths and one starting at position 3 (a continued prefill); slots after a row's last
+    position hold NaN and padding queries' output gradients are inf: neither may reach any gradient."""
     pytest.importorskip("triton")
     from rlfw.kernels import triton_attention
 
-    hq, hkv, d, t = 4, 2, 16, 70
+    hq, hkv, d, t, slots = 4, 2, 16, 70, 78
     g = torch.Generator().manual_seed(4)
     q, grad = (torch.randn(3, t, hq, d, generator=g) for _ in range(2))
-    k, v = (torch.randn(3, t, hkv, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(3, slots, hkv, d, generator=g) for _ in range(2))
     q_pos = torch.arange(t).repeat(3, 1)
+    q_pos[0] += 3
     q_pos[1, 40:], q_pos[2, 5:] = -1, -1
     want = grads.attention_grads(q, k, v, q_pos, 0.3, grad)
-    k[1, 40:], v[1, 40:], k[2, 5:], v[2, 5:] = (float("nan"),) * 4
+    for b in range(3):
+        last = int(q_pos[b].max())
+        k[b, last + 1 :], v[b, last + 1 :] = float("nan"), float("nan")
+    grad[q_pos < 0] = float("inf")
     ours = triton_attention.attention_backward(q, k, v, q_pos, 0.3, grad)
     for name, a, b in zip(("dq", "dk", "dv"), ours, want, strict=True):
-        torch.testing.assert_close(a, b.nan_to_num(), atol=1e-4, rtol=1e-4, msg=name)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
     assert not bool(ours[0][2, 5:].any()), "padding queries get no gradient"
 
 

@@ -65,23 +65,28 @@ def test_attention(inv: InvariantOps, tri: InvariantOps) -> None:
         assert_same_bits(step[0, 0], full[0, t], f"decode t={t}")
 
 
-def test_attention_batch_of_different_lengths_keeps_each_sequences_bits(tri: InvariantOps) -> None:
+def test_attention_rows_keep_their_bits_whatever_tiles_their_program_walks(tri: InvariantOps) -> None:
     """Each program walks the KV tiles up to its own rows' last position (found in the kernel, so the host
-    never waits for the device): a short sequence beside long ones, padding queries included, gets the
-    bits of its call alone, where the tile bound is its own."""
-    hq, hkv, d, cap, lengths = 4, 2, 16, 80, (70, 20, 5)
+    never waits for the device). With positions starting at 5, a program's 16 rows (8 positions x 2
+    heads) straddle a tile edge: rows before it must come out of the extra tile with the bits they get
+    alone, as one decode query whose program stops a tile earlier. Sequences of different lengths and
+    padding queries share the batch; slots after each sequence's last position hold NaN."""
+    hq, hkv, d, cap, start, lengths = 4, 2, 16, 90, 5, (70, 20, 5)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(len(lengths), cap, hq, d, generator=g)
     k, v = (torch.randn(len(lengths), cap, hkv, d, generator=g) for _ in range(2))
     pos = torch.full((len(lengths), cap), -1)
     for b, n in enumerate(lengths):
-        pos[b, :n] = torch.arange(n)
-        k[b, n:], v[b, n:] = float("nan"), float("nan")  # never read: past the row's last position
+        pos[b, :n] = torch.arange(start, start + n)
+        k[b, start + n :], v[b, start + n :] = float("nan"), float("nan")  # past the row's last position
     batch = tri.attention(q, k, v, pos, 0.25)
     for b, n in enumerate(lengths):
-        alone = tri.attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], pos[b : b + 1], 0.25)
-        assert_same_bits(batch[b], alone[0], f"length {n}")
         assert bool(torch.isfinite(batch[b]).all()) and not bool(batch[b, n:].any())
+        for t in sorted({0, n // 2, n - 1, min(26, n - 1), min(27, n - 1)}):  # 26, 27: positions 31, 32
+            one = tri.attention(
+                q[b : b + 1, t : t + 1], k[b : b + 1], v[b : b + 1], pos[b : b + 1, t : t + 1], 0.25
+            )
+            assert_same_bits(one[0, 0], batch[b, t], f"sequence {b}, query {t}")
 
 
 def test_backward_through_triton_forward(tri: InvariantOps) -> None:
