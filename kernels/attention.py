@@ -70,6 +70,12 @@ def group_queries(q: Tensor, hkv: int, pad_to: int = 1) -> Tensor:
     return out
 
 
+def group_positions(q_pos: Tensor, hkv: int, hq: int) -> Tensor:
+    """``q_pos [B, T] -> [B, Hkv, T*G]``: the position of each row of :func:`group_queries` (unpadded)."""
+    b, t = q_pos.shape
+    return q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1)
+
+
 def ungroup(out: Tensor, t: int) -> Tensor:
     """Inverse of :func:`group_queries`: ``[B, Hkv, T*G, D] -> [B, T, Hq, D]``."""
     b, hkv, _, d = out.shape
@@ -369,10 +375,9 @@ def reference_probabilities(
     """The attention probabilities of :func:`attention_reference` (differentiable): ``(qg, pos, p)``, the
     grouped fp32 queries ``[B, Hkv, R, D]`` (rows ``(t, g)``), each row's position ``[B, Hkv, R]`` and the
     masked softmax over the slots ``[B, Hkv, R, S]``. Padding queries (negative position) see slot 0."""
-    b, t, hq, _ = q.shape
     hkv = k_cache.shape[2]
     qg = group_queries(q, hkv)
-    pos = q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1)
+    pos = group_positions(q_pos, hkv, q.shape[2])
     slots = torch.arange(k_cache.shape[1], device=q.device)
     visible = (slots <= pos[..., None]) | ((pos[..., None] < 0) & (slots == 0))
     s = torch.matmul(qg, k_cache.float().permute(0, 2, 3, 1)) * scale

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from rlfw.kernels.attention import KV_TILE, group_queries, ungroup
+from rlfw.kernels.attention import KV_TILE, group_positions, group_queries, ungroup
 from rlfw.kernels.triton_config import ATTN_BLOCK_R
 from rlfw.kernels.triton_dot import INTERPRETED, tile_dot
 
@@ -90,10 +90,9 @@ def _attention_kernel(
 def _grouped(q: Tensor, q_pos: Tensor, hkv: int) -> tuple[Tensor, Tensor, Tensor]:
     """The kernels' view of the queries: grouped fp32 rows ``[B, Hkv, R, D]``, each row's position
     ``[B, Hkv, R]`` and each batch row's last position ``[B]``."""
-    b, t, hq, _ = q.shape
     qg = group_queries(q, hkv).contiguous()
-    pos = q_pos[:, None, :, None].expand(b, hkv, t, hq // hkv).reshape(b, hkv, -1).contiguous()
-    last = q_pos.amax(-1).contiguous() if t > 0 else q_pos.new_full((b,), -1)
+    pos = group_positions(q_pos, hkv, q.shape[2]).contiguous()
+    last = q_pos.amax(-1).contiguous() if q.shape[1] > 0 else q_pos.new_full((q.shape[0],), -1)
     return qg, pos, last
 
 
@@ -130,10 +129,10 @@ def _attention_backward_rows_kernel(
     for j in range(0, n_tiles):
         slots = j * TILE + tl.arange(0, TILE)
         k = _load_kv(k_ptr, b, h, slots, dd, S, D, last, stride_kb, stride_ks, stride_kh)
-        s = tile_dot(q, tl.trans(k), ROW_EXACT) * scale
-        s = tl.where(slots[None, :] <= pos[:, None], s, -1.0e30)
+        visible = slots[None, :] <= pos[:, None]
+        s = tl.where(visible, tile_dot(q, tl.trans(k), ROW_EXACT) * scale, -1.0e30)
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.where(slots[None, :] <= pos[:, None], tl.exp(s - m_new[:, None]), 0.0)
+        p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
         denom = denom * tl.exp(m - m_new) + tl.sum(p, axis=1)
         m = m_new
     inv = tl.where(denom > 0, 1.0 / tl.maximum(denom, 1.0e-30), 0.0)
@@ -224,17 +223,13 @@ def attention_backward(
         "BLOCK_D": max(16, triton.next_power_of_2(d)),
         "ROW_EXACT": INTERPRETED,
     }
-    if b * hkv and r:
-        _attention_backward_rows_kernel[(b * hkv, triton.cdiv(r, ATTN_BLOCK_R))](
-            qg, k, v, go, pos, last, dq, stats[0], stats[1], stats[2], r, s_len, d, hkv, scale,
-            k.stride(0), k.stride(1), k.stride(2), **meta,
-        )  # fmt: skip
-    if b * hkv and s_len:
+    _attention_backward_rows_kernel[(b * hkv, triton.cdiv(r, ATTN_BLOCK_R))](
+        qg, k, v, go, pos, last, dq, stats[0], stats[1], stats[2], r, s_len, d, hkv, scale,
+        k.stride(0), k.stride(1), k.stride(2), **meta,
+    )  # fmt: skip
+    if s_len:  # no slots, no dk or dv (and dq is 0: no row sees anything)
         _attention_backward_slots_kernel[(b * hkv, triton.cdiv(s_len, KV_TILE))](
             qg, k, v, go, pos, last, stats[0], stats[1], stats[2], dk, dv, r, s_len, d, hkv, scale,
             k.stride(0), k.stride(1), k.stride(2), **meta,
         )  # fmt: skip
-    if not r or not s_len:
-        for out in (dq, dk, dv):
-            out.zero_()
     return ungroup(dq, t).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
