@@ -7,29 +7,17 @@ If one of these breaks, a diverging run (``trainer.lr=1e38``) writes NaN into th
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from rlfw.distributed.cluster import SUBPROCESS_ENV
 from rlfw.train.phases import StalledRun, check_finite
 from tests.train._run import bare_driver
+from tests.trainer.one_rank import run_one_rank
 
 # One rank of DeepSpeed in a fresh process (its process group is process-wide): a finite step, a step
 # with a NaN gradient, a finite step again; prints whether each was skipped and whether weights moved.
 SCRIPT = """
-import json, os, socket, sys
-import torch, deepspeed
-from rlfw.model import build_preset
-from rlfw.trainer.deepspeed_backend import DeepSpeedBackend, OptimConfig
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-deepspeed.init_distributed(dist_backend="gloo")
 stage, precision = int(sys.argv[1]), sys.argv[2]
 dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 model = build_preset("tiny_dense", seed=0, dtype=dtype).train()
@@ -55,16 +43,7 @@ print(json.dumps(out))
     ("stage", "precision"), [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16"), (3, "fp32")]
 )
 def test_a_nonfinite_step_is_skipped_and_the_next_one_trains(stage: int, precision: str) -> None:
-    env = os.environ | SUBPROCESS_ENV | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(stage), precision],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    first, poisoned, after = json.loads(proc.stdout.strip().splitlines()[-1])
+    first, poisoned, after = run_one_rank(SCRIPT, str(stage), precision)
     assert not first["skipped"] and first["moved"]
     assert poisoned["skipped"] and not poisoned["moved"] and poisoned["finite"]
     assert not after["skipped"] and after["moved"] and after["finite"]

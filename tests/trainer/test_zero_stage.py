@@ -9,32 +9,19 @@ stage that only copies gradients around.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rlfw.compose import load_config
-from rlfw.distributed.cluster import SUBPROCESS_ENV
 from rlfw.train.setup import zero_stage
 from rlfw.trainer.deepspeed_backend import saved_zero_stage
 from rlfw.validation import ConfigError
+from tests.trainer.one_rank import run_one_rank
 
 # One rank of DeepSpeed in a fresh process: a step and a checkpoint at each stage and precision, then what
 # saved_zero_stage reads from each checkpoint folder.
 SCRIPT = """
-import json, os, socket, sys, tempfile
-from pathlib import Path
-import torch, deepspeed
-from rlfw.model import build_preset
-from rlfw.trainer.deepspeed_backend import DeepSpeedBackend, OptimConfig, saved_zero_stage
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-deepspeed.init_distributed(dist_backend="gloo")
 ids = torch.randint(4, 90, (2, 12), generator=torch.Generator().manual_seed(0))
 read = {}
 cases = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32"), (3, "bf16")]
@@ -52,12 +39,7 @@ print(json.dumps(read))
 
 
 def test_the_stage_a_checkpoint_was_written_at_is_read_from_its_files() -> None:
-    env = os.environ | SUBPROCESS_ENV | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    read = json.loads(proc.stdout.strip().splitlines()[-1])
+    read = run_one_rank(SCRIPT)
     # stage 2 writes stage 1's layout (each loads the other's checkpoints), so it reads as 1
     assert read == {"0-fp32": 0, "0-bf16": 0, "1-fp32": 1, "1-bf16": 1, "2-fp32": 1, "3-fp32": 3, "3-bf16": 3}
 
