@@ -7,6 +7,7 @@ users measure the mismatch of.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -29,6 +30,10 @@ class DefaultOps:
 
     def prepare_weights(self, weights: Iterable[Tensor], refresh: bool = False) -> None:
         """Nothing to prepare: BLAS packs per call."""
+
+    def held_weights(self, weights: Iterable[Tensor]) -> AbstractContextManager[None]:
+        """Nothing to keep: BLAS packs per call."""
+        return nullcontext()
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         xf = x.float()

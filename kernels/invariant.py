@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -92,6 +93,10 @@ class InvariantOps:
         """On the CPU kernels: pack the weights once (:func:`rlfw.kernels.matmul.pack_frozen`)."""
         if self.backend == "torch":
             matmul.pack_frozen(weights, refresh)
+
+    def held_weights(self, weights: Iterable[Tensor]) -> AbstractContextManager[None]:
+        """On the CPU kernels: each weight packed once within (:func:`rlfw.kernels.matmul.held`)."""
+        return matmul.held(weights) if self.backend == "torch" else nullcontext()
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self._rms_norm(x, weight, eps)

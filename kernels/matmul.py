@@ -23,7 +23,8 @@ at the end, so bf16 invariance follows from fp32 invariance rather than from rou
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -77,8 +78,7 @@ def pack_frozen(weights: Iterable[Tensor], refresh: bool = False) -> None:
     for w in weights:
         if w.device.type != "cpu" or w.dim() != 2 or (not refresh and _packed(w) is not None):
             continue  # not for this kernel, or packed at this version already
-        fp32 = w.detach().float().contiguous()
-        panels = cpu_native.module().pack(fp32)
+        panels = cpu_native.module().pack(_fp32(w.detach()))
         _PACKED[id(w)] = _Packed(weakref.ref(w, _forget(id(w))), w._version, w.data_ptr(), panels)
 
 
@@ -93,33 +93,123 @@ def _packed(weight: Tensor) -> Tensor | None:
     entry = _PACKED.get(id(weight))
     if entry is None or entry.ref() is not weight:
         return None
-    if entry.version != weight._version or entry.data_ptr != weight.data_ptr():
+    if not _unchanged(entry.version, entry.data_ptr, weight):
         return None
     return entry.panels
+
+
+def _unchanged(version: int, data_ptr: int, weight: Tensor) -> bool:
+    """Whether ``weight`` still has the version counter and storage a packed copy was made at."""
+    return version == weight._version and data_ptr == weight.data_ptr()
+
+
+def _fp32(t: Tensor) -> Tensor:
+    """``t`` as the compiled kernels take it: fp32 and contiguous (no dispatch when it already is)."""
+    return (t.float() if t.dtype != torch.float32 else t).contiguous()
+
+
+class _Held:
+    """The panels kept for one weight within :func:`held`: the forward's, and the input gradient's
+    (the weight's transpose), each packed at first use; valid at one version counter and storage."""
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
+        self.version = weight._version
+        self.data_ptr = weight.data_ptr()
+        self.panels: dict[bool, Tensor] = {}  # transposed? -> panels
+
+
+HELD_BYTES = 1 << 30
+"""At most this much of packed copies is kept within :func:`held` (weights past it pack per call)."""
+
+_HELD: dict[int, _Held] | None = None
+_held_bytes = 0
+
+
+@contextmanager
+def held(weights: Iterable[Tensor]) -> Iterator[None]:
+    """Within: ``weights`` do not change (a train step's micro-batches, before the optimizer step), so the
+    CPU kernels pack each of them once, at its first use, for the forward (:func:`linear`) and once for
+    the input gradient (:func:`grad_input`), instead of once per call. Dropped on exit.
+
+    Same bits as the per-call paths (each element is the same fma chain). A weight written in place
+    within (a bumped version counter) or given new storage is packed again rather than read stale; as
+    with :func:`pack_frozen`, writes through ``.data`` in place bump nothing, so none may happen within.
+    The copies (two fp32 ones per weight, so up to four times a bf16 weight) count toward the peak
+    memory while the context lasts; at most :data:`HELD_BYTES` of them are kept, the weights past it
+    pack per call as before. Within another :func:`held`, the new weights join the outer one's.
+    """
+    global _HELD, _held_bytes
+    chosen = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
+    if _HELD is not None:  # nested: the outer context keeps its panels and owns the budget
+        for w in chosen:
+            _HELD.setdefault(id(w), _Held(w))
+        yield
+        return
+    _HELD, _held_bytes = {id(w): _Held(w) for w in chosen}, 0
+    try:
+        yield
+    finally:
+        _HELD, _held_bytes = None, 0
+
+
+def _held_panels(weight: Tensor, transposed: bool) -> Tensor | None:
+    """``weight``'s panels kept within :func:`held` (packed now if this is their first use), or ``None``
+    outside it, for a weight it does not hold, or past its byte budget."""
+    global _held_bytes
+    if _HELD is None:
+        return None
+    entry = _HELD.get(id(weight))
+    if entry is None or entry.weight is not weight:
+        return None
+    if not _unchanged(entry.version, entry.data_ptr, weight):
+        _held_bytes -= sum(t.numel() * 4 for t in entry.panels.values())
+        entry = _HELD[id(weight)] = _Held(weight)
+    panels = entry.panels.get(transposed)
+    if panels is None:
+        n, k = weight.shape[::-1] if transposed else weight.shape  # the panels' outputs and inner size
+        size = -(-n // 16) * 16 * k * 4  # padded to whole 16-wide panels
+        if _held_bytes + size > HELD_BYTES:
+            return None
+        native = cpu_native.module()
+        fp32 = _fp32(weight.detach())
+        with widened():
+            panels = native.pack_t(fp32) if transposed else native.pack(fp32)
+        entry.panels[transposed] = panels
+        _held_bytes += panels.numel() * 4
+    return panels
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """``x [..., K] @ weight[N, K].T -> [..., N]`` in ``x.dtype``, fp32 accumulation, invariant rows."""
     if x.device.type != "cpu":
         return blas_linear(x, weight)
-    rows = x.reshape(-1, x.shape[-1])
-    rows = (rows.float() if rows.dtype != torch.float32 else rows).contiguous()
+    rows = _fp32(x.reshape(-1, x.shape[-1]))
     panels = _packed(weight) if not (torch.is_grad_enabled() and weight.requires_grad) else None
+    if panels is None:
+        panels = _held_panels(weight, transposed=False)
     if panels is not None:
         with widened():
             out = cpu_native.module().linear_packed(rows, panels, weight.shape[0])
     else:
-        w = weight.float() if weight.dtype != torch.float32 else weight
+        w = _fp32(weight)
         with widened():
-            out = cpu_native.module().linear(rows, w.contiguous())
+            out = cpu_native.module().linear(rows, w)
     out = out.view(*x.shape[:-1], weight.shape[0])
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def grad_input(grad: Tensor, weight: Tensor) -> Tensor:
     """``grad [M, N] @ weight [N, K] -> [M, K]`` in fp32 (a linear's input gradient) through the compiled
-    kernel: the same bits at any thread count, so a trainer may widen it while a neighbour idles."""
-    return _fixed_order(grad, weight)
+    kernel: the same bits at any thread count, so a trainer may widen it while a neighbour idles. Within
+    :func:`held` the weight's transposed panels are packed once, not per call."""
+    panels = _held_panels(weight, transposed=True)
+    if panels is None:
+        return _fixed_order(grad, weight)
+    g = _fp32(grad)
+    with widened():
+        out: Tensor = cpu_native.module().linear_packed(g, panels, weight.shape[1])
+    return out
 
 
 def grad_weight(grad: Tensor, x: Tensor) -> Tensor:
@@ -127,7 +217,7 @@ def grad_weight(grad: Tensor, x: Tensor) -> Tensor:
     over the ``M`` rows in ascending order) through the compiled kernel, like :func:`grad_input`. The
     transposed gradient is made by the compiled tiled copy (torch's strided copy of a transpose ran at
     about 1 GB/s on the trainer's shapes)."""
-    g = (grad.float() if grad.dtype != torch.float32 else grad).contiguous()
+    g = _fp32(grad)
     with widened():
         gt: Tensor = cpu_native.module().transpose(g)
     return _fixed_order(gt, x)
@@ -135,8 +225,7 @@ def grad_weight(grad: Tensor, x: Tensor) -> Tensor:
 
 def _fixed_order(a: Tensor, b: Tensor) -> Tensor:
     """``a [M, K] @ b [K, N]`` by the compiled kernel (fp32, CPU): ``b`` is read as it lies."""
-    a = (a.float() if a.dtype != torch.float32 else a).contiguous()
-    b = (b.float() if b.dtype != torch.float32 else b).contiguous()
+    a, b = _fp32(a), _fp32(b)
     with widened():
         out: Tensor = cpu_native.module().linear_t(a, b)
     return out

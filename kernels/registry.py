@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -27,6 +28,12 @@ class Ops(Protocol):
         between weight updates): an implementation may keep them in a faster layout. Never changes a
         result. ``refresh=True``: the weights were written in a way no version counter sees (through
         ``.data``), so rebuild whatever was kept for them."""
+        ...
+
+    def held_weights(self, weights: Iterable[Tensor]) -> AbstractContextManager[None]:
+        """A context within which ``weights`` do not change (a train step's micro-batches, before the
+        optimizer step): an implementation may keep faster layouts of them for the forward and backward
+        passes while it lasts, and drops them on exit. Never changes a result."""
         ...
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

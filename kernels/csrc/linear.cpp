@@ -46,29 +46,39 @@ int64_t group_bytes() {
   return bytes;
 }
 
-// w [N, K] -> panels [ceil(N / 16)][K][16], zero past N (those lanes are computed, never stored).
-void pack_into(const float* w, int64_t n, int64_t k, float* out) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  std::fill(out, out + panels * k * kPanel, 0.0f);
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) {
+// w [N, K] -> panels [ceil(N / 16)][K][16], zero past N (those lanes are computed, never stored). Panels
+// p0 .. p1-1 only (threads take whole panels).
+void pack_into(const float* w, int64_t n, int64_t k, float* out, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    float* panel = out + p * k * kPanel;
+    const int64_t cols = std::min(kPanel, n - p * kPanel);
+    if (cols < kPanel) std::fill(panel, panel + k * kPanel, 0.0f);
+    for (int64_t c = 0; c < cols; ++c) {
       const float* src = w + (p * kPanel + c) * k;
-      float* dst = out + p * k * kPanel + c;
+      float* dst = panel + c;
       for (int64_t i = 0; i < k; ++i) dst[i * kPanel] = src[i];
     }
+  }
+}
+
+// Sixteen floats from src to dst (cols of them; zero after), the row of one panel.
+inline void panel_row(const float* src, int64_t cols, float* dst) {
+#if RLFW_AVX2
+  if (cols == kPanel) {
+    _mm256_storeu_ps(dst, _mm256_loadu_ps(src));
+    _mm256_storeu_ps(dst + 8, _mm256_loadu_ps(src + 8));
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < kPanel; ++c) dst[c] = c < cols ? src[c] : 0.0f;
 }
 
 // wt [K, N] (a weight given transposed) -> the same panels as pack_into(wt.T): panel p holds columns
-// 16 p .. 16 p + 15 of wt, row by row, so no transposed copy is made first.
-void pack_transposed_into(const float* wt, int64_t k, int64_t n, float* out) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  for (int64_t p = 0; p < panels; ++p) {
+// 16 p .. 16 p + 15 of wt, row by row, so no transposed copy is made first. Panels p0 .. p1-1 only.
+void pack_transposed_into(const float* wt, int64_t k, int64_t n, float* out, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kPanel, n - p * kPanel);
-    for (int64_t i = 0; i < k; ++i) {
-      float* dst = out + (p * k + i) * kPanel;
-      std::copy(wt + i * n + p * kPanel, wt + i * n + p * kPanel + cols, dst);
-      std::fill(dst + cols, dst + kPanel, 0.0f);
-    }
+    for (int64_t i = 0; i < k; ++i) panel_row(wt + i * n + p * kPanel, cols, out + (p * k + i) * kPanel);
   }
 }
 
@@ -95,6 +105,13 @@ void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy,
 #pragma GCC unroll 8
       for (int j = 0; j < P; ++j) acc[r][j] = _mm512_fmadd_ps(xb, w[j], acc[r][j]);
     }
+  }
+  if (cols == P * kPanel) {  // whole panels: straight into y
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < P; ++j) _mm512_storeu_ps(y + r * ldy + j * kPanel, acc[r][j]);
+    return;
   }
   alignas(64) float tmp[R][P * kPanel];
 #pragma GCC unroll 8
@@ -137,6 +154,13 @@ void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy,
         for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
       }
     }
+  }
+  if (cols == P * kPanel) {  // whole panels: straight into y
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * P; ++j) _mm256_storeu_ps(y + r * ldy + j * 8, acc[r][j]);
+    return;
   }
   alignas(32) float tmp[R][P * kPanel];
 #pragma GCC unroll 8
@@ -292,6 +316,12 @@ torch::Tensor run_packed(const torch::Tensor& x, const float* packed, int64_t n)
   return y;
 }
 
+// Panels [ceil(n / 16), k, 16] for a weight with n outputs and inner size k, not zeroed: the packers write
+// every float. Threads take whole panels (a copy: the bits are the weight's, whatever the split).
+torch::Tensor empty_panels(const torch::Tensor& like, int64_t n, int64_t k) {
+  return torch::empty({(n + kPanel - 1) / kPanel, k, kPanel}, like.options());
+}
+
 }  // namespace
 
 // weight [N, K] fp32 -> its panels [ceil(N / 16), K, 16], the layout linear_packed reads.
@@ -299,8 +329,24 @@ torch::Tensor pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "pack: contiguous fp32 weight [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1);
-  auto out = torch::empty({(n + kPanel - 1) / kPanel, k, kPanel}, weight.options());
-  pack_into(weight.data_ptr<float>(), n, k, out.data_ptr<float>());
+  auto out = empty_panels(weight, n, k);
+  const float* w = weight.data_ptr<float>();
+  float* panels = out.data_ptr<float>();
+  at::parallel_for(0, out.size(0), 1, [&](int64_t p0, int64_t p1) { pack_into(w, n, k, panels, p0, p1); });
+  return out;
+}
+
+// wt [K, N] (a weight given transposed) -> the panels of wt.T [N, K], as pack(wt.T) gives them: what
+// linear_packed reads to give the bits of linear_t(x, wt).
+torch::Tensor pack_t(const torch::Tensor& wt) {
+  TORCH_CHECK(wt.dim() == 2 && wt.scalar_type() == at::kFloat && wt.is_contiguous(),
+              "pack_t: contiguous fp32 wt [K, N]");
+  const int64_t k = wt.size(0), n = wt.size(1);
+  auto out = empty_panels(wt, n, k);
+  const float* w = wt.data_ptr<float>();
+  float* panels = out.data_ptr<float>();
+  at::parallel_for(0, out.size(0), 1,
+                   [&](int64_t p0, int64_t p1) { pack_transposed_into(w, k, n, panels, p0, p1); });
   return out;
 }
 
@@ -329,9 +375,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
     return y;
   }
 #endif
-  std::vector<float> packed(((n + kPanel - 1) / kPanel) * k * kPanel);
-  pack_into(weight.data_ptr<float>(), n, k, packed.data());
-  return run_packed(x, packed.data(), n);
+  const torch::Tensor panels = pack(weight);
+  return run_packed(x, panels.data_ptr<float>(), n);
 }
 
 // x [M, K] @ wt [K, N] (the weight given transposed, as a backward pass holds it), fp32 and contiguous;
@@ -340,10 +385,8 @@ torch::Tensor linear_t(const torch::Tensor& x, const torch::Tensor& wt) {
   TORCH_CHECK(wt.dim() == 2 && wt.scalar_type() == at::kFloat && wt.is_contiguous(),
               "linear_t: contiguous fp32 wt [K, N]");
   check_x(x, wt.size(0));
-  const int64_t k = wt.size(0), n = wt.size(1);
-  std::vector<float> packed(((n + kPanel - 1) / kPanel) * k * kPanel);
-  pack_transposed_into(wt.data_ptr<float>(), k, n, packed.data());
-  return run_packed(x, packed.data(), n);
+  const torch::Tensor panels = pack_t(wt);
+  return run_packed(x, panels.data_ptr<float>(), wt.size(1));
 }
 
 bool vectorised() { return RLFW_AVX2; }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
 from torch import Tensor, nn
 
@@ -85,6 +87,12 @@ class Transformer(nn.Module):
         weight changed through its version counter takes the slower per-call path, never a stale copy.
         ``refresh=True`` after writes through ``.data`` (which no counter sees)."""
         self.ops.prepare_weights((p for p in self.parameters() if p.dim() == 2), refresh)
+
+    def weights_held(self) -> AbstractContextManager[None]:
+        """A context within which this model's weights do not change (a train step's micro-batches, up
+        to the optimizer step): the op set may keep its matrices in a faster layout until it exits (the
+        CPU kernels pack each once instead of per call)."""
+        return self.ops.held_weights(p for p in self.parameters() if p.dim() == 2)
 
     def new_cache(self, num_slots: int, capacity: int, max_capacity: int | None = None) -> KVCache:
         """A cache of ``num_slots`` rows of ``capacity`` positions, growing to ``max_capacity``."""

@@ -108,52 +108,55 @@ def train_step(
     and, with ``spec.entropy_coef > 0``, subtracted from the loss as a bonus.
     """
     rule = CORRECTIONS[spec.correction.name]
-    old, old_head = old_policy_logp(backend, model, batch, spec, head=rule.needs_reference_head)
-    critic = _critic_targets(backend, model, batch, spec) if spec.ppo is not None else None
-    if critic is not None:
-        batch = replace(batch, advantages=critic[0])
-    topk = rule.needs_topk
-    ref_logp = None
-    if spec.kl_coef > 0:
-        if reference is None:
-            raise ValueError("algo.kl_coef > 0 needs the reference model (the trainer rank keeps it)")
-        ref_logp, _ = scoring_logp(reference, reference, batch, spec.transforms, spec.micro_batch_size)
-    q_parts: list[Tensor] = []
-    mismatch: list[float] = []
-    sums: dict[str, float] = defaultdict(float)
-    for i, mb in enumerate(batch.micro_batches(spec.micro_batch_size)):
-        rows = slice(i * spec.micro_batch_size, i * spec.micro_batch_size + len(mb))
-        out = trainer_logp(
-            backend.module,
-            model,
-            mb,
-            spec.transforms,
-            replay=spec.router_replay,
-            topk=topk,
-            values=critic is not None,
-            entropy=True,
-            entropy_grad=spec.entropy_coef > 0,
-        )
-        head = None if old_head is None else old_head[rows]
-        inputs = loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences, head)
-        loss, metrics = policy_loss(inputs, spec.correction)
-        reg, extra = regularisers(out.logp, out.entropy, mb.mask, ref_logp, rows, spec, num_tokens)
-        loss = loss + reg
-        metrics = {**metrics, **extra}
-        if critic is not None and spec.ppo is not None and out.values is not None:
-            _, old_values, returns = critic
-            v_loss, v_metrics = value_loss(
-                out.values, old_values[rows], returns[rows], mb.mask, num_tokens, spec.ppo.value_clip
+    with model.weights_held():  # the weights change at backend.step(), not before
+        old, old_head = old_policy_logp(backend, model, batch, spec, head=rule.needs_reference_head)
+        critic = _critic_targets(backend, model, batch, spec) if spec.ppo is not None else None
+        if critic is not None:
+            batch = replace(batch, advantages=critic[0])
+        topk = rule.needs_topk
+        ref_logp = None
+        if spec.kl_coef > 0:
+            if reference is None:
+                raise ValueError("algo.kl_coef > 0 needs the reference model (the trainer rank keeps it)")
+            ref_logp, _ = scoring_logp(reference, reference, batch, spec.transforms, spec.micro_batch_size)
+        q_parts: list[Tensor] = []
+        mismatch: list[float] = []
+        sums: dict[str, float] = defaultdict(float)
+        for i, mb in enumerate(batch.micro_batches(spec.micro_batch_size)):
+            rows = slice(i * spec.micro_batch_size, i * spec.micro_batch_size + len(mb))
+            out = trainer_logp(
+                backend.module,
+                model,
+                mb,
+                spec.transforms,
+                replay=spec.router_replay,
+                topk=topk,
+                values=critic is not None,
+                entropy=True,
+                entropy_grad=spec.entropy_coef > 0,
             )
-            loss = loss + spec.ppo.value_coef * v_loss
-            metrics = {**metrics, **v_metrics}
-        backend.backward(loss)
-        q_parts.append(out.logp.detach())
-        for k, v in metrics.items():
-            if v.dim() == 0 and (k.startswith(("loss/", "kl/")) or k.endswith(("clip_frac", "mask_frac"))):
-                sums[k] += float(v) * (1.0 if k.startswith("loss/") else mb.num_tokens)
-        if out.replay_mismatch is not None:
-            mismatch.append(out.replay_mismatch)
+            head = None if old_head is None else old_head[rows]
+            inputs = loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences, head)
+            loss, metrics = policy_loss(inputs, spec.correction)
+            reg, extra = regularisers(out.logp, out.entropy, mb.mask, ref_logp, rows, spec, num_tokens)
+            loss = loss + reg
+            metrics = {**metrics, **extra}
+            if critic is not None and spec.ppo is not None and out.values is not None:
+                _, old_values, returns = critic
+                v_loss, v_metrics = value_loss(
+                    out.values, old_values[rows], returns[rows], mb.mask, num_tokens, spec.ppo.value_clip
+                )
+                loss = loss + spec.ppo.value_coef * v_loss
+                metrics = {**metrics, **v_metrics}
+            backend.backward(loss)
+            q_parts.append(out.logp.detach())
+            for k, v in metrics.items():
+                if v.dim() == 0 and (
+                    k.startswith(("loss/", "kl/")) or k.endswith(("clip_frac", "mask_frac"))
+                ):
+                    sums[k] += float(v) * (1.0 if k.startswith("loss/") else mb.num_tokens)
+            if out.replay_mismatch is not None:
+                mismatch.append(out.replay_mismatch)
     scalars = {k: v if k.startswith("loss/") else v / max(batch.num_tokens, 1) for k, v in sums.items()}
     scalars["grad_norm"] = backend.step()
     scalars["train/skipped_nonfinite"] = float(backend.last_step_skipped)

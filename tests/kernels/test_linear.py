@@ -166,3 +166,53 @@ def test_compiled_transpose_is_torchs_transpose(threads: int) -> None:
         for shape in [(1, 1), (3, 5), (8, 8), (9, 17), (64, 64), (65, 130), (200, 71), (1088, 512)]:
             a = torch.randn(shape, generator=g)
             assert_same_bits(cpu_native.module().transpose(a), a.t().contiguous(), f"{shape}")
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 0])  # 0: nothing fits, every call packs as outside
+def test_weights_held_within_a_step_keep_the_per_call_bits(
+    inv: InvariantOps, budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A train step holds its weights (``Transformer.weights_held``): each is packed once for the
+    forward and once for the input gradient, then reused by every micro-batch. The output, dx and dW
+    must keep the bits of the per-call paths; a weight written in place within, or given new storage,
+    must be packed again, not read stale (the second half fails with either check removed)."""
+    from rlfw.kernels import matmul, threads
+
+    monkeypatch.setattr(matmul, "HELD_BYTES", budget)
+    g = torch.Generator().manual_seed(11)
+    x, up = torch.randn(2, 37, 300, generator=g), torch.randn(2, 37, 129, generator=g)
+    weight = torch.randn(129, 300, generator=g).requires_grad_()
+
+    def step() -> tuple[torch.Tensor, ...]:
+        xg = x.clone().requires_grad_()
+        weight.grad = None
+        y = inv.linear(xg, weight)
+        (y * up).sum().backward()
+        assert xg.grad is not None and weight.grad is not None
+        return y.detach(), xg.grad, weight.grad.clone()
+
+    threads.set_lender(lambda: 1)  # the linears' backward on the compiled kernel, as under lending
+    try:
+        want = step()
+        with matmul.held([weight]):
+            first, second = step(), step()
+            kept = matmul._HELD is not None and matmul._HELD[id(weight)].panels
+            assert set(kept or {}) == ({False, True} if budget else set())
+            with torch.no_grad():
+                weight.mul_(0.5)
+            changed = step()
+            weight.data = weight.data * 2.0  # new storage, no version bump
+            moved = step()
+        assert matmul._HELD is None
+        want_moved = step()
+        weight.data = weight.data * 0.5
+        want_changed = step()
+    finally:
+        threads.set_lender(None)
+    for name, *got in zip(("y", "dx", "dW"), want, first, second, strict=True):
+        assert_same_bits(got[0], got[1], f"{name}: first call within held")
+        assert_same_bits(got[0], got[2], f"{name}: second call within held")
+    for name, a, b in zip(("y", "dx", "dW"), changed, want_changed, strict=True):
+        assert_same_bits(a, b, f"{name}: after an in-place write within held")
+    for name, a, b in zip(("y", "dx", "dW"), moved, want_moved, strict=True):
+        assert_same_bits(a, b, f"{name}: after new storage within held")
