@@ -19,9 +19,15 @@ from rlfw.kernels.triton_dot import INTERPRETED, tile_dot
 
 
 @triton.jit
+def _kv_offsets(b, h, slots, dd, stride_b, stride_s, stride_h):
+    # In 64 bits (b and h are): a cache of 2^31 elements or more is within reach on one GPU.
+    return b * stride_b + slots[:, None].to(tl.int64) * stride_s + h * stride_h + dd[None, :]
+
+
+@triton.jit
 def _load_kv(ptr, b, h, slots, dd, S, D, last, stride_b, stride_s, stride_h):
     mask = (slots[:, None] < S) & (slots[:, None] <= last) & (dd[None, :] < D)
-    offs = b * stride_b + slots[:, None] * stride_s + h * stride_h + dd[None, :]
+    offs = _kv_offsets(b, h, slots, dd, stride_b, stride_s, stride_h)
     return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
@@ -46,7 +52,7 @@ def _row_block(
     # block's last query position. The tiles after it would leave every row's state as it is (see the
     # module), so the bound changes no bits; it is found here, not on the host, so a launch never waits
     # for the device.
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)  # offsets from it are 64-bit: B * H * R * D may pass 2^31
     b = bh // HKV
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     pos = tl.load(pos_ptr + bh * R + rows, mask=rows < R, other=-1)
@@ -165,7 +171,7 @@ def _attention_backward_slots_kernel(
 ):  # fmt: skip
     # One KV tile of one (batch entry, KV head) against every query row: dv = sum_r p go and
     # dk = scale * sum_r p (dp - delta) q, with the rows' statistics from the kernel above.
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)
     b = bh // HKV
     h = bh % HKV
     slots = tl.program_id(1) * TILE + tl.arange(0, TILE)
@@ -191,7 +197,7 @@ def _attention_backward_slots_kernel(
         ds = p * (dp - delta[:, None])
         dv += tile_dot(tl.trans(p), go, ROW_EXACT)
         dk += tile_dot(tl.trans(ds), q, ROW_EXACT)
-    offs = b * stride_kb + slots[:, None] * stride_ks + h * stride_kh + dd[None, :]
+    offs = _kv_offsets(b, h, slots, dd, stride_kb, stride_ks, stride_kh)
     mask = (slots[:, None] < S) & (dd[None, :] < D)
     tl.store(dk_ptr + offs, dk * scale, mask=mask)
     tl.store(dv_ptr + offs, dv, mask=mask)

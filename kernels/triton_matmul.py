@@ -34,19 +34,26 @@ def _matmul_kernel(
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    # Offsets in 64 bits (an LM head's M x vocabulary passes 2^31 at about 14,000 rows); the tile
+    # pointers then move along K by pointer arithmetic.
+    rm64, rn64, rk64 = rm.to(tl.int64), rn.to(tl.int64), rk.to(tl.int64)
+    a_ptrs = a_ptr + rm64[:, None] * stride_am + rk64[None, :] * stride_ak
+    b_ptrs = b_ptr + rk64[:, None] * stride_bk + rn64[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         a_mask = (rm[:, None] < M) & (ks[None, :] < K)
         b_mask = (ks[:, None] < K) & (rn[None, :] < N)
-        a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :] * stride_ak, mask=a_mask, other=0.0)
-        b = tl.load(b_ptr + ks[:, None] * stride_bk + rn[None, :] * stride_bn, mask=b_mask, other=0.0)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
         if WIDEN:
             acc += tile_dot(a.to(tl.float32), b.to(tl.float32), ROW_EXACT)
         else:  # 16-bit operands into the tensor cores, fp32 accumulator
             acc = tl.dot(a, b, acc)
     c_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    c_ptrs = c_ptr + rm64[:, None] * stride_cm + rn64[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 

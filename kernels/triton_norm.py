@@ -11,7 +11,7 @@ from torch import Tensor
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * width may pass 2^31
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
@@ -35,7 +35,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 @triton.jit
 def _rms_norm_backward_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, gn_ptr, D, eps, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * width may pass 2^31
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)

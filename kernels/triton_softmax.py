@@ -18,7 +18,7 @@ from rlfw.kernels.triton_config import LSM_BLOCK_V
 
 @triton.jit
 def _row_stats_kernel(x_ptr, m_ptr, lse_ptr, V, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * width may pass 2^31
     offs = tl.arange(0, BLOCK_V)
     m = tl.full((), float("-inf"), tl.float32)
     for v0 in range(0, V, BLOCK_V):
@@ -35,7 +35,7 @@ def _row_stats_kernel(x_ptr, m_ptr, lse_ptr, V, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _log_softmax_kernel(x_ptr, m_ptr, lse_ptr, y_ptr, V, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * width may pass 2^31
     offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = offs < V
     x = tl.load(x_ptr + row * V + offs, mask=mask, other=0.0).to(tl.float32)

@@ -3,11 +3,15 @@
 ``TRITON_INTERPRET`` unset (the interpreter replaces the kernels); prints one line per kernel, then ``ok``.
 
 GPU sessions are rare; this catches what the interpreter cannot: a construct the real backend rejects
-(a loop bound or a tuple it cannot lower, a ``tl.dot`` shape it has no instruction for)."""
+(a loop bound or a tuple it cannot lower, a ``tl.dot`` shape it has no instruction for), and 32-bit
+address arithmetic: a product of two run-time values in i32 (``row * V``, ``rows * stride``) wraps once a
+tensor passes 2^31 elements (a log-softmax over a 152k vocabulary at about 14,000 rows), which no test
+on this machine can allocate, so each kernel's Triton IR is read for such products instead."""
 
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import triton
@@ -20,17 +24,39 @@ TARGET = GPUTarget("cuda", 90, 32)
 F32, BF16, I64 = "*fp32", "*bf16", "*i64"
 
 
+_DEFINITION = re.compile(r"^\s*(%[\w.]+) = ([\w.]+) ?(%[\w.]+)?")
+_PRODUCT_32 = re.compile(r"^\s*%[\w.]+ = arith\.muli (%[\w.]+), (%[\w.]+) : (?:i32|tensor<[^>]*xi32>)")
+
+
+def products_32(ttir: str) -> list[str]:
+    """The lines of ``ttir`` that multiply two run-time values in 32 bits (an operand that is a constant,
+    or a splat of one, is a tile size: its product stays within the launch grid)."""
+    defined = {m.group(1): (m.group(2), m.group(3)) for m in map(_DEFINITION.match, ttir.splitlines()) if m}
+
+    def constant(value: str) -> bool:
+        op, source = defined.get(value, ("", None))
+        return op == "arith.constant" or (op == "tt.splat" and source is not None and constant(source))
+
+    found = []
+    for line in ttir.splitlines():
+        m = _PRODUCT_32.match(line)
+        if m and not (constant(m.group(1)) or constant(m.group(2))):
+            found.append(line.split(" loc(")[0].strip())
+    return found
+
+
 def compile_for_sm90(
     kernel: Any, types: dict[str, str], constexprs: dict[str, Any], options: dict[str, int] | None = None
-) -> int:
+) -> tuple[int, list[str]]:
     """Compile ``kernel`` (launch ``options`` such as ``num_warps``); parameters not named in ``types`` are
-    i32 scalars. Returns the cubin's size."""
+    i32 scalars. Returns the cubin's size and the 32-bit run-time products of its Triton IR."""
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     source = ASTSource(
         fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}
     )
-    return len(triton.compile(source, target=TARGET, options=options or {}).asm["cubin"])
+    compiled = triton.compile(source, target=TARGET, options=options or {})
+    return len(compiled.asm["cubin"]), products_32(compiled.asm["ttir"])
 
 
 def main() -> None:
@@ -61,8 +87,13 @@ def main() -> None:
         (triton_attention._attention_backward_slots_kernel,
          {**rows_bwd, **stats, "dk_ptr": F32, "dv_ptr": F32}, attn),
     ]  # fmt: skip
+    wrapping = []
     for kernel, types, constexprs, *options in cases:
-        print(kernel.fn.__name__, compile_for_sm90(kernel, types, constexprs, *options), flush=True)
+        size, products = compile_for_sm90(kernel, types, constexprs, *options)
+        print(kernel.fn.__name__, size, flush=True)
+        wrapping += [f"{kernel.fn.__name__}: {line}" for line in products]
+    if wrapping:
+        raise SystemExit("32-bit products of run-time values (they wrap past 2^31):\n" + "\n".join(wrapping))
     print("ok")
 
 
