@@ -176,7 +176,7 @@ def _held_panels(weight: Tensor, transposed: bool) -> Tensor | None:
         with widened():
             panels = native.pack_t(fp32) if transposed else native.pack(fp32)
         entry.panels[transposed] = panels
-        _held_bytes += panels.numel() * 4
+        _held_bytes += size
     return panels
 
 

@@ -316,10 +316,15 @@ torch::Tensor run_packed(const torch::Tensor& x, const float* packed, int64_t n)
   return y;
 }
 
-// Panels [ceil(n / 16), k, 16] for a weight with n outputs and inner size k, not zeroed: the packers write
-// every float. Threads take whole panels (a copy: the bits are the weight's, whatever the split).
-torch::Tensor empty_panels(const torch::Tensor& like, int64_t n, int64_t k) {
-  return torch::empty({(n + kPanel - 1) / kPanel, k, kPanel}, like.options());
+// Panels [ceil(n / 16), k, 16] for a weight with n outputs and inner size k, filled by
+// pack_range(out, p0, p1) for panels p0 .. p1-1; not zeroed first: the packers write every float. Threads
+// take whole panels (a copy: the bits are the weight's, whatever the split).
+template <typename PackRange>
+torch::Tensor packed_panels(const torch::Tensor& like, int64_t n, int64_t k, PackRange pack_range) {
+  auto out = torch::empty({(n + kPanel - 1) / kPanel, k, kPanel}, like.options());
+  float* panels = out.data_ptr<float>();
+  at::parallel_for(0, out.size(0), 1, [&](int64_t p0, int64_t p1) { pack_range(panels, p0, p1); });
+  return out;
 }
 
 }  // namespace
@@ -329,11 +334,9 @@ torch::Tensor pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "pack: contiguous fp32 weight [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1);
-  auto out = empty_panels(weight, n, k);
   const float* w = weight.data_ptr<float>();
-  float* panels = out.data_ptr<float>();
-  at::parallel_for(0, out.size(0), 1, [&](int64_t p0, int64_t p1) { pack_into(w, n, k, panels, p0, p1); });
-  return out;
+  return packed_panels(weight, n, k,
+                       [&](float* out, int64_t p0, int64_t p1) { pack_into(w, n, k, out, p0, p1); });
 }
 
 // wt [K, N] (a weight given transposed) -> the panels of wt.T [N, K], as pack(wt.T) gives them: what
@@ -342,12 +345,11 @@ torch::Tensor pack_t(const torch::Tensor& wt) {
   TORCH_CHECK(wt.dim() == 2 && wt.scalar_type() == at::kFloat && wt.is_contiguous(),
               "pack_t: contiguous fp32 wt [K, N]");
   const int64_t k = wt.size(0), n = wt.size(1);
-  auto out = empty_panels(wt, n, k);
   const float* w = wt.data_ptr<float>();
-  float* panels = out.data_ptr<float>();
-  at::parallel_for(0, out.size(0), 1,
-                   [&](int64_t p0, int64_t p1) { pack_transposed_into(w, k, n, panels, p0, p1); });
-  return out;
+  return packed_panels(wt, n, k,
+                       [&](float* out, int64_t p0, int64_t p1) {
+                         pack_transposed_into(w, k, n, out, p0, p1);
+                       });
 }
 
 // x [M, K] against a weight [n, K] packed by pack(): the same bits as linear(x, weight).
