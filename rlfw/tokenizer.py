@@ -12,7 +12,7 @@ import string
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 TINY_ALPHABET = string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/=()<>,.:;?!'\"#\n"
@@ -41,6 +41,8 @@ def load_tokenizer(path: str | os.PathLike[str], vocab_size: int) -> PreTrainedT
             f"no tokenizer files in {folder} (tokenizer.json / tokenizer_config.json); save the checkpoint's "
             "tokenizer beside its weights, or use model.tokenizer=tiny for the built-in character tokenizer"
         )
+    from transformers import AutoTokenizer  # 3 s of imports a run on the built-in tokenizer never needs
+
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     check_vocab(tok, vocab_size)
     return tok

@@ -81,10 +81,18 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        nn.init.normal_(self.weight, std=0.02)
+        if not self.weight.is_meta:  # on the meta device the weights are loaded later (see on_meta)
+            nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         return ctx.ops.linear(x, self.weight)
+
+
+def on_meta() -> bool:
+    """Whether modules are being built on the meta device (``from_pretrained``). Their weights are loaded
+    afterwards, so they skip the random init: torch's meta kernel for ``normal_`` imports
+    ``torch._dynamo`` on its first call, 2 s of every actor's start-up on a CPU."""
+    return torch.empty(0).is_meta
 
 
 def _linear(in_features: int, out_features: int) -> Linear:

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from rlfw.kernels import Ops, get_ops
 from rlfw.model.cache import KVCache
 from rlfw.model.config import ModelArgs
-from rlfw.model.layers import Block, ForwardContext, Linear, RMSNorm
+from rlfw.model.layers import Block, ForwardContext, Linear, RMSNorm, on_meta
 from rlfw.model.routing import RouterTrace
 
 
@@ -19,7 +19,8 @@ class Backbone(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        shape = (args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape) if on_meta() else None)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
