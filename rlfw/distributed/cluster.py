@@ -22,6 +22,9 @@ LOCAL_ENV = {
     # Ray runs workers at nice 15 by default; on a small machine the actors doing the work would then
     # lose the CPU to Ray's own daemons and to the waiting driver (measured: step 0.70 s -> see bench).
     "RAY_worker_niceness": "0",
+    # Ray starts one idle worker per CPU for the first driver; the actors run under this run's runtime env,
+    # which those workers lack, so none is ever used (each took about a core-second at every start-up).
+    "RAY_prestart_worker_first_driver": "0",
 }
 
 
@@ -164,22 +167,6 @@ def make_pool(resource: str, size: int) -> Pool:
     group = placement_group([dict(bundle) for _ in range(size)], strategy="PACK")
     ray.get(group.ready(), timeout=120)
     return Pool(group, size, uses_gpu)
-
-
-def placement_fingerprints(pools: dict[str, Pool], engine: str) -> dict[str, dict[str, Any]]:
-    """The environment fingerprint of every slot of every pool (``"trainer rank 0"``, ``"engine 1"``, ...),
-    each computed by a task placed where that slot's actor will run, before any actor exists."""
-    import ray
-
-    from rlfw.fingerprint import environment_fingerprint
-
-    task = ray.remote(environment_fingerprint)
-    refs = {
-        f"{name} {i}": task.options(**pool.options(i)).remote(engine)
-        for name, pool in pools.items()
-        for i in range(pool.size)
-    }
-    return {slot: ray.get(ref) for slot, ref in refs.items()}
 
 
 def peak_rss_mb() -> float:

@@ -48,7 +48,9 @@ class PendingGeneration:
 
 class RolloutGroup:
     """The engine actors. A dead actor is replaced, loaded with the last published version, and its
-    request re-issued: results count only from calls that completed, so no sample is lost or doubled."""
+    request re-issued: results count only from calls that completed, so no sample is lost or doubled.
+
+    Created, the actors only report their :meth:`fingerprints`; :meth:`start` builds the engines."""
 
     def __init__(
         self,
@@ -56,16 +58,16 @@ class RolloutGroup:
         spec: ModelSpec,
         engine_cfg: EngineConfig,
         stop_ids: list[int],
-        contract_hash: str,
         ledger: str | None = None,
     ) -> None:
         """``ledger``: the core ledger's path under ``lend_idle_cores=true`` (actor ``i`` sits in seat
         ``i``)."""
-        self.pool, self.args = pool, (spec, engine_cfg, stop_ids, contract_hash)
+        self.pool, self.args = pool, (spec, engine_cfg, stop_ids)
         self.holds = engine_cfg.in_flight_at_step is not None  # generations wait for updates (submit)
         self.tickets = itertools.count()
         self.ledger = ledger
         self.actors: list[Any] = [self._spawn(i) for i in range(pool.size)]  # actor handles
+        self.contract_hash: str | None = None  # set by start(); a replacement starts under it too
         self.latest: Any = None  # ObjectRef of the last WeightUpdate, loaded into replacements
         self.restarts = 0
 
@@ -74,10 +76,23 @@ class RolloutGroup:
         seat = None if self.ledger is None else Seat(self.ledger, index)
         return RolloutActor.options(**options).remote(*self.args, seat)
 
+    def fingerprints(self) -> dict[str, dict[str, Any]]:
+        """Every engine slot's environment fingerprint (``"engine 0"``, ...), read where it runs."""
+        prints = ray.get([a.fingerprint.remote() for a in self.actors])
+        return {f"engine {i}": fp for i, fp in enumerate(prints)}
+
+    def start(self, contract_hash: str) -> list[Any]:
+        """Build every engine under the settled contract; returns the calls' references to wait on (so
+        the trainer ranks can start meanwhile)."""
+        self.contract_hash = contract_hash
+        return [a.start.remote(contract_hash) for a in self.actors]
+
     def _replace(self, index: int) -> None:
         log.warning("rollout actor %d died; restarting it from the last published version", index)
         self.actors[index] = self._spawn(index)
         self.restarts += 1
+        if self.contract_hash is not None:
+            ray.get(self.actors[index].start.remote(self.contract_hash))
         if self.latest is not None:
             ray.get(self.actors[index].update_weights.remote(self.latest))
 
@@ -151,14 +166,15 @@ class TrainerRankDied(RuntimeError):
 
 
 class TrainerGroup:
-    """The data-parallel trainer ranks; each step's batch is split into contiguous row shards."""
+    """The data-parallel trainer ranks; each step's batch is split into contiguous row shards.
+
+    Created, the ranks only report their :meth:`fingerprints`; :meth:`start` builds them."""
 
     def __init__(
         self,
         pool: Pool,
         spec: ModelSpec,
         optim: OptimConfig,
-        step: StepSpec,
         cpu_threads: int = 1,
         ledger: str | None = None,
         first_seat: int = 0,
@@ -173,13 +189,21 @@ class TrainerGroup:
                 port,
                 spec,
                 optim,
-                step,
                 cpu_threads,
                 None if ledger is None else Seat(ledger, first_seat + r),
             )
             for r in range(pool.size)
         ]
         self.dead: int | None = None  # the rank that died, once one has
+
+    def fingerprints(self) -> dict[str, dict[str, Any]]:
+        """Every rank's environment fingerprint (``"trainer rank 0"``, ...), read where it runs."""
+        prints = self._gather([a.fingerprint.remote() for a in self.actors], "start-up")
+        return {f"trainer rank {r}": fp for r, fp in enumerate(prints)}
+
+    def start(self, step: StepSpec) -> None:
+        """Build every rank (they join one process group, so all at once) and wait for them."""
+        self._gather([a.start.remote(step) for a in self.actors], "start-up")
 
     def _gather(self, futures: list[Any], what: str) -> list[Any]:
         """Every rank's result, or :class:`TrainerRankDied` as soon as one rank's process is gone (the

@@ -1,5 +1,9 @@
 """The engine actor of the rollout pool: one engine per actor, the built-in one or vLLM (in-process).
 
+It starts in two calls: created, it reports its environment fingerprint; :meth:`RolloutWorker.start` then
+builds the engine under the contract the driver settled on every slot's fingerprint. One process does
+both, so the fingerprint costs no process of its own.
+
 The actor is threaded (two calls at a time) so that a weight update can arrive while a generation runs.
 What happens to it then is the engine's ``in_flight`` setting:
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from typing import Any
 
 import ray
 
@@ -33,6 +38,7 @@ from rlfw.distributed.cluster import keep_freed_memory, peak_rss_mb, use_cpu_thr
 from rlfw.distributed.cores import Seat, join, working
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup
+from rlfw.fingerprint import environment_fingerprint
 from rlfw.rollout.engine import Engine
 from rlfw.rollout.native import NativeEngine
 from rlfw.types import GenerationRequest, SampleBatch, WeightUpdate
@@ -42,16 +48,22 @@ class RolloutWorker:
     """Generates samples at the weight version it holds; loads published versions on request."""
 
     def __init__(
-        self,
-        spec: ModelSpec,
-        engine_cfg: EngineConfig,
-        stop_ids: list[int],
-        contract_hash: str,
-        seat: Seat | None = None,
+        self, spec: ModelSpec, engine_cfg: EngineConfig, stop_ids: list[int], seat: Seat | None = None
     ) -> None:
+        """Nothing is built yet: the driver first reads this process's :meth:`fingerprint`, settles the
+        execution contract on every slot's, then calls :meth:`start` with its hash."""
+        self.spec, self.engine_cfg, self.stop_ids, self.seat = spec, engine_cfg, stop_ids, seat
+
+    def fingerprint(self) -> dict[str, Any]:
+        """This process's environment fingerprint, read before anything here changes it."""
+        return environment_fingerprint(self.engine_cfg.name)
+
+    def start(self, contract_hash: str) -> None:
+        """Build the engine under the settled contract (its hash stamps samples and checks updates)."""
+        spec, engine_cfg, stop_ids = self.spec, self.engine_cfg, self.stop_ids
         self.engine: Engine
         keep_freed_memory()  # no page faults on the tensors each step frees and allocates again
-        self.cores = join(seat, use_cpu_threads(engine_cfg.cpu_threads))  # lend_idle_cores=true
+        self.cores = join(self.seat, use_cpu_threads(engine_cfg.cpu_threads))  # lend_idle_cores=true
         if engine_cfg.name == "vllm":
             from rlfw.rollout.vllm.engine import VllmEngine
 

@@ -1,4 +1,7 @@
-"""A trainer rank of the trainer pool: DeepSpeed over gloo (CPU) or NCCL (GPU)."""
+"""A trainer rank of the trainer pool: DeepSpeed over gloo (CPU) or NCCL (GPU).
+
+It starts in two calls, like the engine actor (:mod:`rlfw.distributed.rollout_worker`): created, it reports
+its environment fingerprint; :meth:`TrainerWorker.start` builds the model and DeepSpeed."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from rlfw.distributed.cluster import keep_freed_memory, peak_rss_mb, use_cpu_thr
 from rlfw.distributed.cores import Seat, join, working
 from rlfw.distributed.specs import ModelSpec
 from rlfw.distributed.weight_group import TensorMeta, WeightGroup, describe
+from rlfw.fingerprint import environment_fingerprint
 from rlfw.kernels import threads
 from rlfw.logging.metrics import CORES_TRAINER_WIDENED_FRAC
 from rlfw.trainer.deepspeed_backend import DeepSpeedBackend, OptimConfig
@@ -29,33 +33,43 @@ class TrainerWorker:
         port: int,
         spec: ModelSpec,
         optim: OptimConfig,
-        step: StepSpec,
         cpu_threads: int = 1,
         seat: Seat | None = None,
     ) -> None:
+        """Nothing is built yet: the driver first reads this process's :meth:`fingerprint`, settles the
+        execution contract on every slot's, then calls :meth:`start` (on every rank at once: it joins the
+        process group)."""
+        self.rank, self.world, self.port, self.spec, self.optim = rank, world, port, spec, optim
+        self.cpu_threads, self.seat = cpu_threads, seat
+
+    def fingerprint(self) -> dict[str, Any]:
+        """This process's environment fingerprint, read before anything here changes it."""
+        return environment_fingerprint()
+
+    def start(self, step: StepSpec) -> None:
+        """Join the process group, build the model and DeepSpeed; ``step`` follows the settled contract."""
         import deepspeed
 
         keep_freed_memory()  # no page faults on the tensors each step frees and allocates again
-        self.cores = join(seat, use_cpu_threads(cpu_threads))  # lend_idle_cores=true
+        self.cores = join(self.seat, use_cpu_threads(self.cpu_threads))  # lend_idle_cores=true
 
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
+            MASTER_PORT=str(self.port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world),
             LOCAL_RANK="0",
         )
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         deepspeed.init_distributed(dist_backend=backend)
-        self.model = spec.build().train()
+        self.model = self.spec.build().train()
         if step.ppo is not None:
             self.model.attach_value_head()
         # KL to the initial weights: a frozen copy kept on this rank (a scoring pass per step; the engines
         # hold none). Built before DeepSpeed wraps the trained copy.
-        self.reference = spec.build().eval().requires_grad_(False) if step.kl_coef > 0 else None
-        self.backend = DeepSpeedBackend(self.model, optim)
+        self.reference = self.spec.build().eval().requires_grad_(False) if step.kl_coef > 0 else None
+        self.backend = DeepSpeedBackend(self.model, self.optim)
         self.step_spec = step
-        self.rank = rank
 
     def train(self, batch: TrainBatch, num_tokens: int, num_sequences: int) -> TrainResult:
         calls_before, widened_before = threads.counts()

@@ -21,7 +21,7 @@ import ray
 
 from rlfw.compose import to_yaml
 from rlfw.config import RunConfig
-from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool, placement_fingerprints
+from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool
 from rlfw.distributed.cores import LEDGER_FILE, create_ledger
 from rlfw.distributed.groups import RolloutGroup, TrainerGroup, TrainerRankDied
 from rlfw.distributed.weight_sync import make_sync
@@ -61,29 +61,26 @@ def train(run: RunConfig) -> int:
         init_ray(run.engine.num_actors, run.trainer.num_ranks, run.ray_address)
         rollout_pool = make_pool(ROLLOUT, run.engine.num_actors)
         trainer_pool = make_pool(TRAINER, run.trainer.num_ranks)
-        pools = {"trainer rank": trainer_pool, "engine": rollout_pool}
-        setup = settle_environment(run, setup, run_dir, placement_fingerprints(pools, run.engine.name))
+        ledger = None
+        if run.lend_idle_cores:  # one machine: the pools lend each other the cores of a finished phase
+            ledger = str(create_ledger(run_dir, run.engine.num_actors + run.trainer.num_ranks))
+        # the actors report their fingerprints before anything is built in them
+        rollout = RolloutGroup(rollout_pool, setup.model, run.engine, setup.stop_ids, ledger)
+        seat = run.engine.num_actors  # the trainer ranks sit after the engines in the ledger
+        trainer = TrainerGroup(trainer_pool, setup.model, optim, run.trainer.cpu_threads, ledger, seat)
+        setup = settle_environment(run, setup, run_dir, trainer.fingerprints() | rollout.fingerprints())
+        engines = rollout.start(setup.contract.hash)
+        trainer.start(step_spec(run, setup))
+        ray.get(engines)
     except BaseException:
         if folder.created:
             shutil.rmtree(run_dir, ignore_errors=True)
         else:  # the folder was there (a resume): put back the records the checks wrote over
             _put_back(run_dir, before)
+            (run_dir / LEDGER_FILE).unlink(missing_ok=True)
         if ray.is_initialized():
             ray.shutdown()
         raise
-    ledger = None
-    if run.lend_idle_cores:  # one machine: the pools lend each other the cores of a finished phase
-        ledger = str(create_ledger(run_dir, run.engine.num_actors + run.trainer.num_ranks))
-    rollout = RolloutGroup(rollout_pool, setup.model, run.engine, setup.stop_ids, setup.contract.hash, ledger)
-    trainer = TrainerGroup(
-        trainer_pool,
-        setup.model,
-        optim,
-        step_spec(run, setup),
-        run.trainer.cpu_threads,
-        ledger,
-        first_seat=run.engine.num_actors,
-    )
     weights = EngineWeights(make_sync(run.sync.transport), trainer, rollout, setup.contract.hash)
     state = (
         restore(run_dir, trainer, weights)

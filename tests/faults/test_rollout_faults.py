@@ -35,7 +35,9 @@ def make_group(local_ray: None) -> Iterator[Callable[[EngineConfig], RolloutGrou
 
     def make(engine_cfg: EngineConfig) -> RolloutGroup:
         pools.append(make_pool(ROLLOUT, 2))
-        return RolloutGroup(pools[-1], SPEC, engine_cfg, stop_ids=[], contract_hash="")
+        group = RolloutGroup(pools[-1], SPEC, engine_cfg, stop_ids=[])
+        ray.get(group.start(contract_hash=""))
+        return group
 
     yield make
     for pool in pools:
@@ -122,3 +124,23 @@ def test_actor_killed_with_in_flight_updates(make_group: Callable[[EngineConfig]
         versions = s.version_T.tolist()
         assert versions == sorted(versions) and set(versions) <= {1, 2} and s.final_version >= versions[-1]
     assert [ray.get(a.version.remote()) for a in group.actors] == [2, 2]
+
+
+def test_engines_report_their_fingerprints_before_anything_is_built(local_ray: None) -> None:
+    """The driver settles the contract on every slot's fingerprint, read in the actor's own process
+    before the engine exists; start() then builds it under the settled hash."""
+    from rlfw.fingerprint import environment_fingerprint
+
+    pool = make_pool(ROLLOUT, 2)
+    try:
+        group = RolloutGroup(pool, SPEC, EngineConfig(max_slots=4, max_model_len=32), stop_ids=[])
+        here = environment_fingerprint()
+        assert group.fingerprints() == {"engine 0": here, "engine 1": here}
+        with pytest.raises(AttributeError, match="engine"):
+            ray.get(group.actors[0].version.remote())
+        ray.get(group.start(contract_hash="h"))
+        assert ray.get([a.version.remote() for a in group.actors]) == [0, 0]
+        with pytest.raises(Exception, match="contract"):
+            group.load(ray.put(WeightUpdate(version=1, contract_hash="other", state_dict={})))
+    finally:
+        remove_placement_group(pool.group)

@@ -59,8 +59,15 @@ def test_in_flight_update_lands_between_decode_steps(kv_policy: str) -> None:
         assert (gap == 0) if kv_policy == "recompute" else (gap > 0)
 
 
+def _started(cfg: EngineConfig) -> RolloutWorker:
+    """The actor's class used in this process: created, then started under contract "h"."""
+    worker = RolloutWorker(SPEC, cfg, stop_ids=[])
+    worker.start("h")
+    return worker
+
+
 def test_without_in_flight_the_update_waits_for_the_generation() -> None:
-    worker = RolloutWorker(SPEC, EngineConfig(max_slots=8, max_model_len=64), stop_ids=[], contract_hash="h")
+    worker = _started(EngineConfig(max_slots=8, max_model_len=64))
     samples, version = _run_with_update(worker, _update(1))
     assert version == 1 and worker.in_flight_updates == 0
     assert all(int(s.version_T.max()) == 0 and s.final_version == 0 for s in samples)
@@ -68,7 +75,7 @@ def test_without_in_flight_the_update_waits_for_the_generation() -> None:
 
 def test_a_refused_in_flight_update_raises_to_its_caller_and_generation_goes_on() -> None:
     cfg = EngineConfig(max_slots=8, max_model_len=64, in_flight=True)
-    worker = RolloutWorker(SPEC, cfg, stop_ids=[], contract_hash="h")
+    worker = _started(cfg)
     with pytest.raises(Exception, match="contract"):
         _run_with_update(worker, _update(1, contract_hash="other"))
     assert worker.engine.version == 0 and worker.engine.finished()
@@ -78,7 +85,7 @@ def _held_worker(at_step: int, kv_policy: str = "keep") -> RolloutWorker:
     cfg = EngineConfig(
         max_slots=8, max_model_len=64, in_flight=True, in_flight_at_step=at_step, kv_policy=kv_policy
     )
-    return RolloutWorker(SPEC, cfg, stop_ids=[], contract_hash="h")
+    return _started(cfg)
 
 
 def _start_held(worker: RolloutWorker, ticket: int | None) -> tuple[threading.Thread, dict[str, SampleBatch]]:
