@@ -196,9 +196,10 @@ class TrainerGroup:
         ]
         self.dead: int | None = None  # the rank that died, once one has
 
-    def fingerprints(self) -> dict[str, dict[str, Any]]:
-        """Every rank's environment fingerprint (``"trainer rank 0"``, ...), read where it runs."""
-        prints = self._gather([a.fingerprint.remote() for a in self.actors], "start-up")
+    def fingerprints(self, engine: str) -> dict[str, dict[str, Any]]:
+        """Every rank's environment fingerprint (``"trainer rank 0"``, ...), read where it runs, with the
+        libraries of the run's ``engine``."""
+        prints = self._gather([a.fingerprint.remote(engine) for a in self.actors], "start-up")
         return {f"trainer rank {r}": fp for r, fp in enumerate(prints)}
 
     def start(self, step: StepSpec) -> None:

@@ -42,9 +42,10 @@ class TrainerWorker:
         self.rank, self.world, self.port, self.spec, self.optim = rank, world, port, spec, optim
         self.cpu_threads, self.seat = cpu_threads, seat
 
-    def fingerprint(self) -> dict[str, Any]:
-        """This process's environment fingerprint, read before anything here changes it."""
-        return environment_fingerprint()
+    def fingerprint(self, engine: str) -> dict[str, Any]:
+        """This process's environment fingerprint, read before anything here changes it, with the
+        libraries of the run's ``engine`` (vLLM's version under ``engine=vllm``), as the engines report."""
+        return environment_fingerprint(engine)
 
     def start(self, step: StepSpec) -> None:
         """Join the process group, build the model and DeepSpeed; ``step`` follows the settled contract."""

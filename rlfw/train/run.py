@@ -68,7 +68,8 @@ def train(run: RunConfig) -> int:
         rollout = RolloutGroup(rollout_pool, setup.model, run.engine, setup.stop_ids, ledger)
         seat = run.engine.num_actors  # the trainer ranks sit after the engines in the ledger
         trainer = TrainerGroup(trainer_pool, setup.model, optim, run.trainer.cpu_threads, ledger, seat)
-        setup = settle_environment(run, setup, run_dir, trainer.fingerprints() | rollout.fingerprints())
+        fingerprints = trainer.fingerprints(run.engine.name) | rollout.fingerprints()
+        setup = settle_environment(run, setup, run_dir, fingerprints)
         engines = rollout.start(setup.contract.hash)
         trainer.start(step_spec(run, setup))
         ray.get(engines)
