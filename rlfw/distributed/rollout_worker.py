@@ -47,6 +47,8 @@ from rlfw.types import GenerationRequest, SampleBatch, WeightUpdate
 class RolloutWorker:
     """Generates samples at the weight version it holds; loads published versions on request."""
 
+    engine_cfg: EngineConfig  # kept from creation until start() builds the engine from it
+
     def __init__(
         self, spec: ModelSpec, engine_cfg: EngineConfig, stop_ids: list[int], seat: Seat | None = None
     ) -> None:
@@ -60,7 +62,8 @@ class RolloutWorker:
 
     def start(self, contract_hash: str) -> None:
         """Build the engine under the settled contract (its hash stamps samples and checks updates)."""
-        spec, engine_cfg, stop_ids = self.spec, self.engine_cfg, self.stop_ids
+        spec, stop_ids = self.spec, self.stop_ids
+        engine_cfg = self.engine_cfg
         self.engine: Engine
         keep_freed_memory()  # no page faults on the tensors each step frees and allocates again
         self.cores = join(self.seat, use_cpu_threads(engine_cfg.cpu_threads))  # lend_idle_cores=true
