@@ -84,6 +84,10 @@ class DefaultOps:
         logp = self.log_softmax(logits)
         return -(logp.exp() * logp).sum(-1)
 
+    def cached_block(self, *_: Any) -> Tensor | None:
+        """No fused block: the model runs the ops one by one."""
+        return None
+
     def router_topk(self, logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, k, dim=-1)

@@ -18,7 +18,7 @@ order *inside* a tile belongs to the library or the compiler).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from rlfw.kernels import attention as attn
-from rlfw.kernels import cpu_native, elementwise, grads, matmul, norm, router, softmax
+from rlfw.kernels import block, cpu_native, elementwise, grads, matmul, norm, router, softmax
 from rlfw.kernels.autograd import InvariantLinear, needs_grad, recompute_backward
+from rlfw.kernels.block import BlockShape, CacheWrite
 
 BACKENDS = ("auto", "torch", "triton", "vllm")
 
@@ -137,6 +138,21 @@ class InvariantOps:
 
     def entropy(self, logits: Tensor) -> Tensor:
         return softmax.entropy_from_logp(self.log_softmax(logits))
+
+    def cached_block(
+        self,
+        x: Tensor,
+        weights: Sequence[Tensor],
+        norms: Sequence[Tensor],
+        shape: BlockShape,
+        cos: Tensor,
+        sin: Tensor,
+        cache: CacheWrite,
+    ) -> Tensor | None:
+        """On the CPU kernels: the block's kernel calls made in one compiled call (same bits)."""
+        if self.backend != "torch":
+            return None
+        return block.cached_block(x, weights, norms, shape, cos, sin, cache)
 
     def router_topk(self, logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
         return router.router_topk(logits, k, norm_topk_prob)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from torch import Tensor
+
+from rlfw.kernels.block import BlockShape, CacheWrite
 
 
 class Ops(Protocol):
@@ -77,6 +79,21 @@ class Ops(Protocol):
 
     def entropy(self, logits: Tensor) -> Tensor:
         """fp32 entropy of each row of ``logits [..., V]``."""
+        ...
+
+    def cached_block(
+        self,
+        x: Tensor,
+        weights: Sequence[Tensor],
+        norms: Sequence[Tensor],
+        shape: BlockShape,
+        cos: Tensor,
+        sin: Tensor,
+        cache: CacheWrite,
+    ) -> Tensor | None:
+        """A dense block's forward over an engine's KV cache in one call, with the bits of the per-op path
+        (:mod:`rlfw.kernels.block`), or ``None`` where this op set has no such call for these operands
+        (the caller then runs the ops one by one)."""
         ...
 
     def router_topk(self, logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:

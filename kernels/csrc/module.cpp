@@ -26,6 +26,13 @@ std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor&
 torch::Tensor transpose(const torch::Tensor& a);
 torch::Tensor gumbel(const torch::Tensor& seeds, int64_t vocab);
 bool vectorised();
+torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
+                           const std::vector<int64_t>& outs, const std::vector<torch::Tensor>& norms, double eps,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, const torch::Tensor& cos,
+                           const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                           const torch::Tensor& src_rows, const torch::Tensor& src_cols, const torch::Tensor& dest,
+                           const torch::Tensor& pos, const torch::Tensor& q_pos, const torch::Tensor& slots,
+                           double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, "batch-invariant fp32 linear (one fma chain per output element)");
@@ -46,5 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("exp", &exp_f32_tensor, "the attention softmax's fp32 exp, elementwise (tests)");
   mod.def("transpose", &transpose, "a.T as a new contiguous tensor (fp32 [M, N] -> [N, M])");
   mod.def("gumbel", &gumbel, "seeded Gumbel noise [N, vocab], row i from seeds[i] alone (SplitMix64)");
+  mod.def("cached_block", &cached_block,
+          "a dense block over an engine's KV cache: the per-op path's kernel calls, in one call (same bits)");
   mod.def("vectorised", &vectorised, "whether the AVX2/FMA path was compiled");
 }

@@ -36,6 +36,10 @@ class _Recorder:
     def begin_step(self) -> None:
         self.calls.clear()
 
+    def cached_block(self, *_: Any) -> None:
+        """Never one call per block here: localising needs every op's output."""
+        return None
+
     def __getattr__(self, op: str) -> Any:
         fn = getattr(self.inner, op)
         if not callable(fn):

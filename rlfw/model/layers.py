@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from rlfw.kernels import Ops
+from rlfw.kernels.block import BlockShape, CacheWrite
 from rlfw.model.cache import KVCache
 from rlfw.model.config import ModelArgs
 from rlfw.model.routing import RouterTrace
@@ -69,6 +70,15 @@ class ForwardContext:
         self.cache.k[layer][dest, pos] = k[rows, cols]
         self.cache.v[layer][dest, pos] = v[rows, cols]
         return self.cache.k[layer], self.cache.v[layer], self._slots
+
+    def cache_write(self, layer: int) -> CacheWrite | None:
+        """Where :meth:`store_kv` would write this layer's K/V and what the attention reads, for a block
+        computed in one call (:meth:`Ops.cached_block`); ``None`` without an engine cache."""
+        if self.cache is None:
+            return None
+        rows, cols, dest, pos, _ = self._kv_writes
+        k, v = self.cache.k[layer], self.cache.v[layer]
+        return CacheWrite(k, v, rows, cols, dest, pos, self.positions, self._slots)
 
 
 class Linear(nn.Module):
@@ -213,8 +223,38 @@ class Block(nn.Module):
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        fused = self._in_one_call(x, ctx)
+        if fused is not None:
+            return fused
         x = x + self.self_attn(self.input_layernorm(x, ctx), ctx)
         return x + self.mlp(self.post_attention_layernorm(x, ctx), ctx)
+
+    def _in_one_call(self, x: Tensor, ctx: ForwardContext) -> Tensor | None:
+        """An engine's forward over its cache through :meth:`Ops.cached_block` (the same ops in one call,
+        the same bits), where the op set has that call for a dense block; else ``None``."""
+        if not isinstance(self.mlp, MLP) or ctx.routing is not None or _hooked(self):
+            return None
+        cache = ctx.cache_write(self.self_attn.layer)
+        if cache is None:
+            return None
+        a, m = self.self_attn, self.mlp
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        if a.q_norm is not None and a.k_norm is not None:
+            norms += [a.q_norm, a.k_norm]
+        if len({n.eps for n in norms}) != 1:
+            return None
+        projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        weights = [p.weight for p in projections]
+        shape = BlockShape(a.num_heads, a.num_kv_heads, a.head_dim, norms[0].eps)
+        return ctx.ops.cached_block(x, weights, [n.weight for n in norms], shape, ctx.cos, ctx.sin, cache)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a forward hook watches ``module`` or a module inside it (a call for the whole block would
+    skip the inner modules' forwards, and so their hooks)."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
 def check_replayed_ids(ids: Tensor, num_experts: int, moe_index: int) -> None:

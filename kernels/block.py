@@ -1,0 +1,95 @@
+"""A dense decoder block over an engine's KV cache in one compiled call (CPU, fp32, no autograd).
+
+The per-op path runs about fifteen kernel calls per block, each behind Python and torch dispatch; on a
+small model's decode step (a few dozen rows) that dispatch is about a third of the step's time.
+:func:`cached_block` hands the block's operands to ``kernels/csrc/block.cpp``, which makes the same kernel
+calls in the same order (RMSNorm, the packed linears, the q/k norms, RoPE, the cache write, the
+attention, SiLU-mul, the residual adds), so its output is the per-op path's bit for bit (tested). It
+serves only where every one of those kernels would serve the per-op path and the weights are packed
+(an engine's, after :func:`rlfw.kernels.matmul.pack_frozen`); elsewhere it returns ``None`` and the
+caller runs the ops one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlfw.kernels import cpu_native, matmul
+from rlfw.kernels.autograd import needs_grad
+from rlfw.kernels.threads import widened
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """One forward's K/V destination for a layer: the cache tensors ``[slots, S, Hkv, D]``, which batch
+    entries ``(rows, cols)`` hold a valid token, where each goes (``dest`` slot, ``pos`` position), the
+    queries' positions ``[B, T]`` and the cache row each batch entry reads (``slots [B]``)."""
+
+    k_cache: Tensor
+    v_cache: Tensor
+    rows: Tensor
+    cols: Tensor
+    dest: Tensor
+    pos: Tensor
+    q_pos: Tensor
+    slots: Tensor
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """The block's head layout and its norms' epsilon."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def cached_block(
+    x: Tensor,
+    weights: Sequence[Tensor],
+    norms: Sequence[Tensor],
+    shape: BlockShape,
+    cos: Tensor,
+    sin: Tensor,
+    cache: CacheWrite,
+) -> Tensor | None:
+    """The block's output ``[B, T, H]``, or ``None`` where the compiled call does not serve.
+
+    ``weights``: q, k, v, o, gate, up and down projections ``[N, K]``; ``norms``: the input and
+    post-attention RMSNorm weights, then the q and k norm weights if the model has them."""
+    if x.dim() != 3 or x.numel() == 0 or len(weights) != 7 or len(norms) not in (2, 4):
+        return None
+    tensors = (x, *weights, *norms, cos, sin, cache.k_cache, cache.v_cache)
+    if not cpu_native.serves(*tensors) or needs_grad(*tensors):
+        return None
+    panels = [matmul._packed(w) for w in weights]
+    if any(p is None for p in panels) or not cos.is_contiguous() or not sin.is_contiguous():
+        return None
+    with widened():
+        out: Tensor = cpu_native.module().cached_block(
+            x.contiguous(),
+            panels,
+            [int(w.shape[0]) for w in weights],
+            [n.contiguous() for n in norms],
+            float(shape.eps),
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim,
+            cos,
+            sin,
+            cache.k_cache,
+            cache.v_cache,
+            cache.rows,
+            cache.cols,
+            cache.dest,
+            cache.pos,
+            cache.q_pos.to(torch.long).contiguous(),
+            cache.slots.to(torch.long).contiguous(),
+            shape.head_dim**-0.5,
+        )
+    return out

@@ -1,0 +1,68 @@
+// One dense decoder block over an engine's slotted KV cache, in one call (fp32, no autograd).
+//
+// The per-op path (rlfw/model/layers.py: Block, Attention, MLP) calls these same kernels from Python, one
+// call per op, each behind Python and torch dispatch; on a small model's decode step that dispatch is
+// about a third of the step. This function makes the same calls in the same order on the same operands,
+// so every result is the per-op path's, bit for bit (tests/model/test_cached_block.py); the residual
+// adds are the same ATen add the Python `x + y` reaches.
+
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
+std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor& u, bool keep_denom);
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& q_pos, const torch::Tensor& rows, double scale);
+
+namespace {
+
+// RMSNorm over the last dim of x, as kernels/norm.py's compiled path calls it.
+torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  const int64_t d = x.size(-1);
+  return rms_norm(x.reshape({-1, d}).contiguous(), w, eps)[0].view(x.sizes());
+}
+
+// x [rows, K] against packed panels with n outputs, as kernels/matmul.py's linear calls it.
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& panels, int64_t n) {
+  return linear_packed(x.contiguous(), panels, n);
+}
+
+}  // namespace
+
+// x [B, T, H]; panels: q, k, v, o, gate, up, down packed by pack() with outs[i] outputs each; norms:
+// the input and post-attention RMSNorm weights, then optionally the per-head q and k norm weights;
+// cos and sin [B, T, head_dim]; the layer's cache k and v [slots, S, Hkv, D]; each valid token's K/V goes
+// from batch entry (src_rows, src_cols) to cache (dest, pos); q_pos [B, T] the queries' positions and
+// slots [B] the cache row each batch entry reads. Returns the block's output [B, T, H].
+torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
+                           const std::vector<int64_t>& outs, const std::vector<torch::Tensor>& norms, double eps,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, const torch::Tensor& cos,
+                           const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                           const torch::Tensor& src_rows, const torch::Tensor& src_cols, const torch::Tensor& dest,
+                           const torch::Tensor& pos, const torch::Tensor& q_pos, const torch::Tensor& slots,
+                           double scale) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "cached_block: fp32 x [B, T, H]");
+  TORCH_CHECK(panels.size() == 7 && outs.size() == 7, "cached_block: seven packed weights");
+  TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "cached_block: two or four norm weights");
+  const int64_t b = x.size(0), t = x.size(1), hidden = x.size(2);
+  const torch::Tensor h = norm(x, norms[0], eps).view({b * t, hidden});
+  torch::Tensor q = project(h, panels[0], outs[0]).view({b, t, heads, head_dim});
+  torch::Tensor k = project(h, panels[1], outs[1]).view({b, t, kv_heads, head_dim});
+  const torch::Tensor v = project(h, panels[2], outs[2]).view({b, t, kv_heads, head_dim});
+  if (norms.size() == 4) {
+    q = norm(q, norms[2], eps);
+    k = norm(k, norms[3], eps);
+  }
+  q = rope(q.contiguous(), cos, sin);
+  k = rope(k.contiguous(), cos, sin);
+  k_cache.index_put_({dest, pos}, k.index({src_rows, src_cols}));
+  v_cache.index_put_({dest, pos}, v.index({src_rows, src_cols}));
+  const torch::Tensor a = attention(q, k_cache, v_cache, q_pos, slots, scale);
+  const torch::Tensor x1 = x + project(a.view({b * t, -1}), panels[3], outs[3]).view({b, t, outs[3]});
+  const torch::Tensor m = norm(x1, norms[1], eps).view({b * t, hidden});
+  const torch::Tensor act = silu_mul(project(m, panels[4], outs[4]), project(m, panels[5], outs[5]), false)[0];
+  return x1 + project(act, panels[6], outs[6]).view({b, t, outs[6]});
+}
