@@ -1,0 +1,96 @@
+"""The built-in engine with each dense block in one compiled call against the per-op path, side by side.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/cached_block_ab.py --size 13m --prefill-fraction 0 --reps 6
+
+One engine on the Qwen3 checkpoint of ``bench/rollout_vs_peers.py`` and its requests (16 prompts x 4
+samples x ``--tokens`` new tokens, the sampler and decode streams on every token, the prefill stream on
+``--prefill-fraction`` of the sequences), ``kernels=invariant``. The two sides alternate call by call on
+the same engine: ``one-call`` (``Ops.cached_block``: the block's kernel calls made from C++,
+``kernels/csrc/block.cpp``) and ``per-op`` (the same kernels, one Python call per op). Both give the
+same bits (``tests/model/test_cached_block.py``); only the time differs. Prints JSON, and writes it to
+``--out`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import machine
+import torch
+from paired import alternated_medians
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@contextmanager
+def per_op() -> Iterator[None]:
+    """The per-op path while inside: no block in one call."""
+    from rlfw.kernels.invariant import InvariantOps
+
+    original = InvariantOps.cached_block
+    InvariantOps.cached_block = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        InvariantOps.cached_block = original  # type: ignore[method-assign]
+
+
+def main() -> None:
+    from rollout_vs_peers import SIZES, VOCAB, write_checkpoint
+
+    from rlfw.model import from_pretrained
+    from rlfw.rollout.native import NativeEngine
+    from rlfw.types import GenerationRequest
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", choices=sorted(SIZES), default="13m")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prefill-fraction", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (int(k),), generator=gen) for k in torch.randint(8, 24, (16,))]
+    request = GenerationRequest(list(range(16)), prompts, n=4, max_new_tokens=a.tokens, seed=0)
+    with tempfile.TemporaryDirectory() as folder:
+        write_checkpoint(a.size, folder)
+        engine = NativeEngine(
+            from_pretrained(folder, kernels="invariant"),
+            max_slots=64,
+            max_model_len=32 + a.tokens,
+            prefill_fraction=a.prefill_fraction,
+        )
+        tokens = [0]
+
+        def one_call() -> None:
+            tokens[0] = sum(s.response_T.numel() for s in engine.generate(request))
+
+        def op_by_op() -> None:
+            with per_op():
+                one_call()
+
+        sides: dict[str, Callable[[], None]] = {"one-call": one_call, "per-op": op_by_op}
+        seconds = dict(zip(sides, alternated_medians(list(sides.values()), a.reps), strict=True))
+    result = {
+        "machine": machine.describe(),
+        "size": a.size,
+        "batch": {"prompts": 16, "n": 4, "new_tokens": a.tokens, "prefill_fraction": a.prefill_fraction},
+        "reps": a.reps,
+        "seconds": seconds,
+        "tokens_per_s": {side: tokens[0] / s for side, s in seconds.items()},
+        "per-op / one-call time": seconds["per-op"] / seconds["one-call"],
+    }
+    print(json.dumps(result, indent=2))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
