@@ -67,9 +67,9 @@ def cached_block(
     tensors = (x, *weights, *norms, cos, sin, cache.k_cache, cache.v_cache)
     if not cpu_native.serves(*tensors) or needs_grad(*tensors):
         return None
-    panels = [matmul._packed(w) for w in weights]
-    if any(p is None for p in panels) or not cos.is_contiguous() or not sin.is_contiguous():
-        return None
+    panels = [matmul.frozen_panels(w) for w in weights]
+    if any(p is None for p in panels) or not all(t.is_contiguous() for t in tensors[-4:]):
+        return None  # cos, sin and the caches are read in place
     with widened():
         out: Tensor = cpu_native.module().cached_block(
             x.contiguous(),

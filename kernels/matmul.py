@@ -89,6 +89,11 @@ def _forget(key: int) -> Callable[[weakref.ref[Tensor]], None]:
     return forget
 
 
+def frozen_panels(weight: Tensor) -> Tensor | None:
+    """``weight``'s panels from :func:`pack_frozen`, or ``None`` where it has none at its current version."""
+    return _packed(weight)
+
+
 def _packed(weight: Tensor) -> Tensor | None:
     entry = _PACKED.get(id(weight))
     if entry is None or entry.ref() is not weight:
