@@ -17,8 +17,7 @@ import argparse
 import json
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import machine
@@ -28,22 +27,10 @@ from paired import alternated_medians
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-@contextmanager
-def per_op() -> Iterator[None]:
-    """The per-op path while inside: no block in one call."""
-    from rlfw.kernels.invariant import InvariantOps
-
-    original = InvariantOps.cached_block
-    InvariantOps.cached_block = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        InvariantOps.cached_block = original  # type: ignore[method-assign]
-
-
 def main() -> None:
-    from rollout_vs_peers import SIZES, VOCAB, write_checkpoint
+    from rollout_vs_peers import SIZES, bench_prompts, write_checkpoint
 
+    from rlfw.kernels.block import per_op
     from rlfw.model import from_pretrained
     from rlfw.rollout.native import NativeEngine
     from rlfw.types import GenerationRequest
@@ -56,9 +43,7 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (int(k),), generator=gen) for k in torch.randint(8, 24, (16,))]
-    request = GenerationRequest(list(range(16)), prompts, n=4, max_new_tokens=a.tokens, seed=0)
+    request = GenerationRequest(list(range(16)), bench_prompts(16), n=4, max_new_tokens=a.tokens, seed=0)
     with tempfile.TemporaryDirectory() as folder:
         write_checkpoint(a.size, folder)
         engine = NativeEngine(

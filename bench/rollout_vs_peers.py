@@ -118,6 +118,12 @@ def vllm_bare_call(llm: Any, prompts: list[torch.Tensor], n: int, tokens: int) -
     return call
 
 
+def bench_prompts(count: int) -> list[torch.Tensor]:
+    """The benchmark's ``count`` prompts: 8-23 random tokens each, the same every run."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (int(k),), generator=gen) for k in torch.randint(8, 24, (count,))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", choices=sorted(SIZES), default="13m")
@@ -134,8 +140,7 @@ def main() -> None:
     from rlfw.rollout.native import NativeEngine
     from rlfw.types import GenerationRequest
 
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (int(k),), generator=gen) for k in torch.randint(8, 24, (a.prompts,))]
+    prompts = bench_prompts(a.prompts)
     request = GenerationRequest(list(range(a.prompts)), prompts, n=a.n, max_new_tokens=a.tokens, seed=0)
     slots, max_len = a.prompts * a.n, 32 + a.tokens
     calls: dict[str, Callable[[], int]] = {}

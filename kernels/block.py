@@ -12,7 +12,8 @@ caller runs the ops one by one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,20 @@ from torch import Tensor
 from rlfw.kernels import cpu_native, matmul
 from rlfw.kernels.autograd import needs_grad
 from rlfw.kernels.threads import widened
+
+_per_op_depth = 0  # how many per_op() contexts are open
+
+
+@contextmanager
+def per_op() -> Iterator[None]:
+    """Within: :func:`cached_block` serves nothing, so every block runs its ops one by one (the path to
+    compare against, or to step through)."""
+    global _per_op_depth
+    _per_op_depth += 1
+    try:
+        yield
+    finally:
+        _per_op_depth -= 1
 
 
 @dataclass(frozen=True)
@@ -62,7 +77,7 @@ def cached_block(
 
     ``weights``: q, k, v, o, gate, up and down projections ``[N, K]``; ``norms``: the input and
     post-attention RMSNorm weights, then the q and k norm weights if the model has them."""
-    if x.dim() != 3 or x.numel() == 0 or len(weights) != 7 or len(norms) not in (2, 4):
+    if _per_op_depth or x.dim() != 3 or x.numel() == 0 or len(weights) != 7 or len(norms) not in (2, 4):
         return None
     tensors = (x, *weights, *norms, cos, sin, cache.k_cache, cache.v_cache)
     if not cpu_native.serves(*tensors) or needs_grad(*tensors):

@@ -232,10 +232,8 @@ class Block(nn.Module):
     def _in_one_call(self, x: Tensor, ctx: ForwardContext) -> Tensor | None:
         """An engine's forward over its cache through :meth:`Ops.cached_block` (the same ops in one call,
         the same bits), where the op set has that call for a dense block; else ``None``."""
-        if ctx.cache is None or ctx.routing is not None or not isinstance(self.mlp, MLP) or _hooked(self):
-            return None  # the trainer's forwards stop at the first test
-        cache = ctx.cache_write(self.self_attn.layer)
-        if cache is None:
+        cache = ctx.cache_write(self.self_attn.layer)  # None for the trainer's forwards: no cache
+        if cache is None or ctx.routing is not None or not isinstance(self.mlp, MLP) or _hooked(self):
             return None
         a, m = self.self_attn, self.mlp
         norms = [self.input_layernorm, self.post_attention_layernorm]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from rlfw.audit.ladder import run_audit
 from rlfw.cli import main
 from rlfw.compose import load_config
+from rlfw.kernels.block import per_op
 from rlfw.kernels.invariant import InvariantOps
 
 PAIR_KEYS = [
@@ -70,8 +71,8 @@ def test_a_non_invariant_op_under_a_bitwise_claim_fails_and_is_localised(
     monkeypatch.setattr(InvariantOps, "linear", sneaky)
     # the planted bug lives in the per-op linear; an engine's dense blocks otherwise make their kernel
     # calls from C++ in one call per block (Ops.cached_block), which this Python op is not part of
-    monkeypatch.setattr(InvariantOps, "cached_block", lambda *_: None)
-    report, code = run_audit(load_config([]))
+    with per_op():
+        report, code = run_audit(load_config([]))
     assert code == 1 and not report["contract"]["holds"]
     assert not report["pairs"]["engine_prefill~engine_decode"]["bits_match"]
     assert report["localise"]["score~decode"]["op"] == "model.layers.0.self_attn.q_proj:linear#0"

@@ -9,12 +9,13 @@ ragged prompts (padded prefills), groups sharing a prompt, stop tokens and the p
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import pytest
 import torch
 
+from rlfw.kernels.block import per_op
 from rlfw.kernels.invariant import InvariantOps
 from rlfw.model import Transformer, build_preset
 from rlfw.model.config import ModelArgs
@@ -45,17 +46,6 @@ def counted() -> Iterator[list[int]]:
         InvariantOps.cached_block = original  # type: ignore[method-assign]
 
 
-@contextmanager
-def op_by_op() -> Iterator[None]:
-    """The per-op path: no block in one call."""
-    original = InvariantOps.cached_block
-    InvariantOps.cached_block = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        InvariantOps.cached_block = original  # type: ignore[method-assign]
-
-
 def _generate(model: Transformer) -> list:  # type: ignore[type-arg]
     engine = NativeEngine(model, max_slots=5, max_model_len=40, stop_ids=[3, 5], seed=11)
     request = GenerationRequest([0, 1, 2], prompts([3, 9, 14]), n=3, max_new_tokens=12, seed=4)
@@ -69,11 +59,11 @@ def test_the_engine_records_the_same_bits_with_blocks_in_one_call(args: ModelArg
     with counted() as calls:
         fused = _generate(model)
     assert calls[1] > 0 and calls[1] == calls[0]  # every block of every engine forward took the call
-    with op_by_op():
-        per_op = _generate(model)
-    assert len(fused) == len(per_op) == 9
+    with per_op():
+        one_by_one = _generate(model)
+    assert len(fused) == len(one_by_one) == 9
     assert any(s.finish_reason == "stop" for s in fused) and any(s.finish_reason != "stop" for s in fused)
-    for a, b in zip(fused, per_op, strict=True):
+    for a, b in zip(fused, one_by_one, strict=True):
         assert torch.equal(a.response_T, b.response_T)
         for stream in ("sampler_logp", "decode_logp", "prefill_logp", "topk_logp", "topk_ids"):
             x, y = getattr(a, stream), getattr(b, stream)
@@ -94,7 +84,7 @@ def test_a_forward_over_the_cache_leaves_the_same_cache_bits() -> None:
         cache = model.new_cache(num_slots=5, capacity=16)
         with torch.no_grad():
             model.hidden_states(ids[:, :3], cache=cache, slots=slots)  # earlier positions
-            with counted() as calls, _nothing() if fused else op_by_op():
+            with counted() as calls, nullcontext() if fused else per_op():
                 outs.append(model.hidden_states(ids, mask, cache=cache, slots=slots))
         assert (calls[1] == QWEN3.num_layers) == fused
         caches.append(cache)
@@ -103,11 +93,6 @@ def test_a_forward_over_the_cache_leaves_the_same_cache_bits() -> None:
         assert same_bits(caches[0].k[layer], caches[1].k[layer])
         assert same_bits(caches[0].v[layer], caches[1].v[layer])
     assert torch.equal(caches[0].lengths, caches[1].lengths)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def test_the_call_steps_aside_where_the_ops_must_run_one_by_one() -> None:
