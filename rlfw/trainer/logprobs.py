@@ -45,26 +45,30 @@ def trainer_logp(
     set. Under R3 (``replay``) the MoE layers use the rollout's expert ids. ``entropy``: also the
     entropy of each position's distribution (with gradient only if ``entropy_grad``).
     """
+    # The last position would predict a token past the sequence, so it is not fed: the forward covers
+    # positions 0 .. L-2, which predict tokens 1 .. L-1. Under batch-invariant kernels each of them gets
+    # the bits it would get in the longer forward (causal attention, row-independent linears).
+    tokens, mask = batch.tokens[:, :-1], batch.attention_mask[:, :-1]
+    engine_ids = None if batch.routed_experts is None else batch.routed_experts[:, :-1]
     routing = None
-    if batch.routed_experts is not None:
-        routing = RouterTrace(replay=batch.routed_experts if replay else None)
-    out = model(batch.tokens, batch.attention_mask, routing=routing, with_values=values)
+    if engine_ids is not None:
+        routing = RouterTrace(replay=engine_ids if replay else None)
+    out = model(tokens, mask, routing=routing, with_values=values)
     logits, v = out if values else (out, None)
-    logits = logits[:, :-1]
     logp_all = ops_model.ops.log_softmax(process_logits(logits, t))
     logp = logp_all.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
     topk_logp = logp_all.gather(-1, batch.topk_ids) if topk else None
     mismatch = None  # the share of tokens routed differently from the engine (logged for every MoE run)
-    if routing is not None and batch.routed_experts is not None:
+    if routing is not None and engine_ids is not None:
         if replay:
-            mismatch = routing.replay_mismatch_frac(batch.attention_mask)
+            mismatch = routing.replay_mismatch_frac(mask)
         else:
-            mismatch = routing.mismatch_against(batch.routed_experts, batch.attention_mask)
+            mismatch = routing.mismatch_against(engine_ids, mask)
     ent = None
     if entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             ent = -(logp_all.exp() * logp_all).nan_to_num().sum(-1)  # 0 * -inf (a masked token) counts 0
-    return TrainerLogp(logp, topk_logp, mismatch, None if v is None else v[:, :-1], ent)
+    return TrainerLogp(logp, topk_logp, mismatch, v, ent)
 
 
 def scoring_logp(

@@ -134,3 +134,27 @@ def test_kl_to_a_reference_and_the_entropy_bonus_enter_the_loss() -> None:
         train_step(
             PlainBackend(model), model, batch, replace(base, kl_coef=0.5), batch.num_tokens, len(batch)
         )
+
+
+@pytest.mark.parametrize("preset", ["tiny_dense", "tiny_moe"])
+def test_the_trainer_does_not_feed_the_last_position_and_loses_no_bit(preset: str) -> None:
+    """The last position predicts past the sequence, so the trainer's forward stops one short. Every
+    log-prob (sampled token and top-k) is the bit pattern of the forward over the whole sequence."""
+    from rlfw.model import RouterTrace
+    from rlfw.trainer.logprobs import trainer_logp
+
+    model, batch = _batch(preset)
+    seen: list[int] = []
+    handle = model.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[1]))
+    with torch.no_grad():
+        out = trainer_logp(model, model, batch, Transforms(), replay=True, topk=True)
+    handle.remove()
+    assert seen == [batch.tokens.shape[1] - 1]
+    routing = None if batch.routed_experts is None else RouterTrace(replay=batch.routed_experts)
+    with torch.no_grad():
+        full = model(batch.tokens, batch.attention_mask, routing=routing)[:, :-1]
+    logp_all = model.ops.log_softmax(full)
+    assert torch.equal(out.logp, logp_all.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1))
+    assert out.topk_logp is not None and torch.equal(out.topk_logp, logp_all.gather(-1, batch.topk_ids))
+    if preset == "tiny_moe":
+        assert out.replay_mismatch == 0.0
