@@ -4,10 +4,12 @@
 // call per op, each behind Python and torch dispatch; on a small model's decode step that dispatch is
 // about a third of the step. This function makes the same calls in the same order on the same operands,
 // so every result is the per-op path's, bit for bit (tests/model/test_cached_block.py); the residual
-// adds are the same ATen add the Python `x + y` reaches.
+// adds are the same ATen add the Python `x + y` reaches, and the cache write copies each token's K/V
+// rows where the per-op path's index assignment stores them.
 
 #include <torch/extension.h>
 
+#include <cstring>
 #include <vector>
 
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
@@ -28,6 +30,33 @@ torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
 // x [rows, K] against packed panels with n outputs, as kernels/matmul.py's linear calls it.
 torch::Tensor project(const torch::Tensor& x, const torch::Tensor& panels, int64_t n) {
   return linear_packed(x.contiguous(), panels, n);
+}
+
+// cache[dest[i], pos[i]] = src[rows[i], cols[i]] for each i: one token's K or V heads, Hkv x D floats, copied
+// as they are (what index_put_ of an index would store, without building the gathered tensor).
+void write_kv(torch::Tensor& cache, const torch::Tensor& src, const torch::Tensor& rows, const torch::Tensor& cols,
+              const torch::Tensor& dest, const torch::Tensor& pos) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.scalar_type() == at::kFloat,
+              "cached_block: contiguous fp32 cache [slots, S, Hkv, D]");
+  TORCH_CHECK(src.dim() == 4 && src.is_contiguous() && src.scalar_type() == at::kFloat && src.size(2) == cache.size(2) && src.size(3) == cache.size(3),
+              "cached_block: K/V [B, T, Hkv, D] matching the cache's heads");
+  const int64_t n = rows.numel();
+  for (const torch::Tensor* ix : {&rows, &cols, &dest, &pos})
+    TORCH_CHECK(ix->scalar_type() == at::kLong && ix->is_contiguous() && ix->numel() == n,
+                "cached_block: four int64 index vectors of one length");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* c = cols.data_ptr<int64_t>();
+  const int64_t* d = dest.data_ptr<int64_t>();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const int64_t row = cache.size(2) * cache.size(3);
+  const float* from = src.data_ptr<float>();
+  float* to = cache.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < src.size(0) && c[i] >= 0 && c[i] < src.size(1), "cached_block: K/V source out of range");
+    TORCH_CHECK(d[i] >= 0 && d[i] < cache.size(0) && p[i] >= 0 && p[i] < cache.size(1),
+                "cached_block: cache position out of range");
+    std::memcpy(to + (d[i] * cache.size(1) + p[i]) * row, from + (r[i] * src.size(1) + c[i]) * row, row * sizeof(float));
+  }
 }
 
 }  // namespace
@@ -58,8 +87,8 @@ torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tens
   }
   q = rope(q.contiguous(), cos, sin);
   k = rope(k.contiguous(), cos, sin);
-  k_cache.index_put_({dest, pos}, k.index({src_rows, src_cols}));
-  v_cache.index_put_({dest, pos}, v.index({src_rows, src_cols}));
+  write_kv(k_cache, k, src_rows, src_cols, dest, pos);
+  write_kv(v_cache, v, src_rows, src_cols, dest, pos);
   const torch::Tensor a = attention(q, k_cache, v_cache, q_pos, slots, scale);
   const torch::Tensor x1 = x + project(a.view({b * t, -1}), panels[3], outs[3]).view({b, t, outs[3]});
   const torch::Tensor m = norm(x1, norms[1], eps).view({b * t, hidden});
