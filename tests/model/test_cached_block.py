@@ -124,3 +124,22 @@ def test_the_call_steps_aside_where_the_ops_must_run_one_by_one() -> None:
     default = build_preset("tiny_dense", seed=1, kernels="default").eval()
     default.prepare_for_inference()
     assert default.ops.cached_block(ids) is None  # type: ignore[call-arg]
+
+
+def test_a_cache_write_out_of_range_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call copies K/V rows into the cache itself, so it checks every destination: a position past
+    the cache's capacity is an error, not a write past the tensor."""
+    from rlfw.model.layers import ForwardContext
+
+    model = Transformer(QWEN3, kernels="invariant").eval()
+    model.prepare_for_inference()
+    cache = model.new_cache(num_slots=2, capacity=8)
+    original = ForwardContext.cache_write
+
+    def past_the_end(self, layer):  # type: ignore[no-untyped-def]
+        write = original(self, layer)
+        return None if write is None else replace(write, pos=torch.full_like(write.pos, 8))
+
+    monkeypatch.setattr(ForwardContext, "cache_write", past_the_end)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cache position out of range"):
+        model.hidden_states(torch.tensor([[9, 10, 11]]), cache=cache, slots=torch.tensor([1]))
