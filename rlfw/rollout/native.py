@@ -43,7 +43,7 @@ from rlfw.rollout.requests import expand_request
 from rlfw.rollout.sampling import PRECISIONS, draw, gets_prefill, step_seed
 from rlfw.rollout.sequence import Sequence
 from rlfw.rollout.slots import SlotPool
-from rlfw.rollout.streams import next_token_logits, response_logp, token_streams
+from rlfw.rollout.streams import StreamRecords, next_token_logits, response_logp, token_streams
 from rlfw.types import GenerationRequest, Sample, WeightUpdate
 
 if TYPE_CHECKING:
@@ -121,6 +121,7 @@ class NativeEngine:
         self.max_model_len, self.in_flight, self.contract_hash = max_model_len, in_flight, contract_hash
         initial = max_model_len if kv_cache_preallocate else min(max_model_len, KV_INITIAL_POSITIONS)
         self.cache = model.new_cache(max_slots, initial, max_capacity=max_model_len)
+        self.records = StreamRecords(max_slots, initial, max_model_len)
         self.slots = SlotPool(max_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
@@ -254,12 +255,14 @@ class NativeEngine:
         self._count(rows, "decode_tokens")
         logits = next_token_logits(self.model, hidden[:, 0], self.transforms, self.precision)
         tokens = self._choose(seqs, logits.sampler)
-        streams = token_streams(self.model.ops, logits, tokens, self.topk_logprobs).cpu().rows()
+        streams = token_streams(self.model.ops, logits, tokens, self.topk_logprobs).cpu()
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
+        self.records.write(slots, torch.tensor([len(s.response) for s in seqs], dtype=torch.long), streams)
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
             seq.wrote_kv(self._version)
             if routing is not None:
                 seq.routing.append(routing[i])
-            seq.record(token, streams[i], self._version, self.stop_ids)
+            seq.record(token, self._version, self.stop_ids)
 
     def _choose(self, seqs: list[Sequence], sampler_BV: Tensor) -> Tensor:
         """Forced tokens where given, the most likely token for greedy requests, else a Gumbel-max draw
@@ -289,9 +292,10 @@ class NativeEngine:
         scored_ids = {id(s) for s in scored}
         for seq in done:
             if id(seq) not in scored_ids:
+                streams = self.records.take(seq.slot, len(seq.response))
                 nan = torch.full((len(seq.response),), float("nan"))
-                nan_head = torch.full_like(torch.stack(seq.topk_logp), float("nan"))
-                samples.append(seq.to_sample(nan, nan_head, None, self._version, prefilled=False))
+                nan_head = torch.full_like(streams.topk_logp, float("nan"))
+                samples.append(seq.to_sample(streams, nan, nan_head, None, self._version, prefilled=False))
             del self.running[seq.slot]
             self.slots.release(seq.slot)
         return samples
@@ -316,10 +320,12 @@ class NativeEngine:
             for j, i in enumerate(group):
                 seq, row = done[i], rows[i]
                 p, n = seq.prompt_P.shape[0] - starts[i], row.shape[0]
-                ids = torch.stack(seq.topk_ids)
-                prefill, head = response_logp(self.model, hidden[j, :n], p, row[p:], self.transforms, ids)
+                streams = self.records.take(seq.slot, len(seq.response))
+                prefill, head = response_logp(
+                    self.model, hidden[j, :n], p, row[p:], self.transforms, streams.topk_ids
+                )
                 last = None if routing is None else routing[j, n - 1 : n]
-                samples.append(seq.to_sample(prefill, head, last, self._version))
+                samples.append(seq.to_sample(streams, prefill, head, last, self._version))
         return samples
 
     def _reusable_prompt(self, seq: Sequence) -> int:

@@ -38,12 +38,7 @@ class Sequence:
     slot: int = -1
     kv_oldest: int | None = None  # oldest weight version among the entries in its slot
     prompt_kv_version: int | None = None  # version of the prefill that wrote the prompt's rows
-    response: list[int] = field(default_factory=list)
-    sampler_logp: list[Tensor] = field(default_factory=list)
-    decode_logp: list[Tensor] = field(default_factory=list)
-    topk_ids: list[Tensor] = field(default_factory=list)
-    topk_logp: list[Tensor] = field(default_factory=list)
-    decode_topk_logp: list[Tensor] = field(default_factory=list)
+    response: list[int] = field(default_factory=list)  # its streams: the engine's StreamRecords, by slot
     version: list[int] = field(default_factory=list)
     kv_version: list[int] = field(default_factory=list)
     routing: list[Tensor] = field(default_factory=list)  # [n, L, k] chunks, positions 0 .. fed so far
@@ -85,15 +80,11 @@ class Sequence:
         self.prompt_kv_version = version
         self.routing = [] if routing is None else [routing]
 
-    def record(self, token: int, streams: TokenStreams, version: int, stop_ids: set[int]) -> None:
-        """Append a token and its measurements, then decide whether the sequence is finished."""
+    def record(self, token: int, version: int, stop_ids: set[int]) -> None:
+        """Append a token (its streams went to the engine's records), then decide whether the sequence is
+        finished."""
         assert self.kv_oldest is not None
         self.response.append(token)
-        self.sampler_logp.append(streams.sampler_logp)
-        self.decode_logp.append(streams.decode_logp)
-        self.topk_ids.append(streams.topk_ids)
-        self.topk_logp.append(streams.topk_logp)
-        self.decode_topk_logp.append(streams.decode_topk_logp)
         self.version.append(version)
         self.kv_version.append(self.kv_oldest)
         self.finish_reason = self._finish_reason(token, stop_ids)
@@ -109,13 +100,15 @@ class Sequence:
 
     def to_sample(
         self,
+        streams: TokenStreams,
         prefill_logp: Tensor,
         prefill_head: Tensor,
         last_routing: Tensor | None,
         final_version: int,
         prefilled: bool = True,
     ) -> Sample:
-        """The record that leaves the engine; ``prefill_head [T, K]`` is the prefill stream at the
+        """The record that leaves the engine; ``streams`` are the decode steps' records of its ``T``
+        tokens (``[T]`` / ``[T, K]``); ``prefill_head [T, K]`` is the prefill stream at the
         sampler's top-k ids; ``last_routing [1, L, k]`` covers the last response token, which no decode
         step fed."""
         device = self.prompt_P.device
@@ -127,14 +120,14 @@ class Sequence:
             sample_index=self.sample_index,
             prompt_P=self.prompt_P,
             response_T=torch.tensor(self.response, dtype=torch.long, device=device),
-            sampler_logp=torch.stack(self.sampler_logp),
-            decode_logp=torch.stack(self.decode_logp),
+            sampler_logp=streams.sampler_logp,
+            decode_logp=streams.decode_logp,
             prefill_logp=prefill_logp,
             version_T=torch.tensor(self.version, dtype=torch.long, device=device),
             kv_version_T=torch.tensor(self.kv_version, dtype=torch.long, device=device),
-            topk_ids=torch.stack(self.topk_ids),
-            topk_logp=torch.stack(self.topk_logp),
-            decode_topk_logp=torch.stack(self.decode_topk_logp),
+            topk_ids=streams.topk_ids,
+            topk_logp=streams.topk_logp,
+            decode_topk_logp=streams.decode_topk_logp,
             prefill_topk_logp=prefill_head,
             finish_reason=self.finish_reason or "length",
             final_version=final_version,

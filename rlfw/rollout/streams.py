@@ -49,9 +49,43 @@ class TokenStreams:
         """Records leave the engine on the CPU (they cross actor boundaries)."""
         return TokenStreams(*(t.cpu() for t in self._fields()))
 
-    def rows(self) -> list[TokenStreams]:
-        """Every row of a batched step (0-d log-probs, ``[K]`` top-k): views, one ``unbind`` per field."""
-        return [TokenStreams(*row) for row in zip(*(t.unbind(0) for t in self._fields()), strict=True)]
+
+class StreamRecords:
+    """What the decode steps recorded for every running sequence, by cache slot and response position:
+    one write per stream per step for the whole batch, and one copy per stream when a sequence retires
+    (not a tensor per token). Rows start at ``initial`` positions and double as responses grow, up to
+    ``max_positions``; a slot taken again is overwritten from position 0."""
+
+    def __init__(self, num_slots: int, initial: int, max_positions: int) -> None:
+        self.num_slots, self.max_positions = num_slots, max_positions
+        self.capacity = min(initial, max_positions)
+        self._buffers: tuple[Tensor, ...] | None = None  # TokenStreams' fields, [slots, capacity, ...]
+
+    def write(self, slots_B: Tensor, positions_B: Tensor, streams: TokenStreams) -> None:
+        """Row ``i`` of a decode step's ``streams`` goes to ``(slots_B[i], positions_B[i])``."""
+        fields = streams._fields()
+        need = int(positions_B.max()) + 1 if positions_B.numel() else 0
+        if self._buffers is None:
+            self.capacity = max(self.capacity, need)
+            self._buffers = tuple(f.new_zeros((self.num_slots, self.capacity, *f.shape[1:])) for f in fields)
+        elif need > self.capacity:
+            grown = min(max(need, 2 * self.capacity), self.max_positions)
+            self._buffers = tuple(_grow(b, grown) for b in self._buffers)
+            self.capacity = grown
+        for buffer, values in zip(self._buffers, fields, strict=True):
+            buffer[slots_B, positions_B] = values
+
+    def take(self, slot: int, length: int) -> TokenStreams:
+        """The first ``length`` positions of ``slot`` (copies: the slot is reused): ``[T]`` / ``[T, K]``."""
+        assert self._buffers is not None and length <= self.capacity, "no decode step recorded these"
+        return TokenStreams(*(b[slot, :length].clone() for b in self._buffers))
+
+
+def _grow(buffer: Tensor, capacity: int) -> Tensor:
+    """``buffer [slots, P, ...]`` with room for ``capacity`` positions, the recorded ones kept."""
+    out = buffer.new_zeros((buffer.shape[0], capacity, *buffer.shape[2:]))
+    out[:, : buffer.shape[1]] = buffer
+    return out
 
 
 def next_token_logits(

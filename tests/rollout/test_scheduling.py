@@ -137,17 +137,20 @@ def test_from_config_uses_the_engine_and_sampler_fields() -> None:
 
 
 def test_the_cache_grows_with_the_sequences_not_the_maximum_length() -> None:
-    """By default the engine's cache holds the longest sequence it has run; preallocating
-    max_slots x max_model_len (engine.kv_cache_preallocate) changes the memory, never a bit."""
-    req = request([5, 30, 9], n=2, max_new_tokens=40)
+    """By default the engine's cache and stream records hold the longest sequence it has run (both
+    grow past their first 64 positions here); preallocating max_slots x max_model_len
+    (engine.kv_cache_preallocate) changes the memory, never a bit. Six sequences share four slots."""
+    req = request([5, 30, 9], n=2, max_new_tokens=70)
     runs = {}
     for pre in (False, True):
         eng = NativeEngine(model(), max_slots=4, max_model_len=1024, kv_cache_preallocate=pre)
         runs[pre] = (eng, eng.generate(req))
     grown, full = runs[False][0].cache, runs[True][0].cache
-    assert 70 <= grown.capacity < 1024 == full.capacity  # longest sequence: 30 + 40 positions
+    assert 100 <= grown.capacity < 1024 == full.capacity  # longest sequence: 30 + 70 positions
     assert grown.nbytes * 4 < full.nbytes  # 128 of 1024 positions per row
+    assert 70 <= runs[False][0].records.capacity < 1024 == runs[True][0].records.capacity
+    assert all(s.response_T.numel() == 70 for s in runs[False][1])  # no stop id: every response full
     for a, b in zip(runs[False][1], runs[True][1], strict=True):
-        assert torch.equal(a.response_T, b.response_T)
-        for name in ("sampler_logp", "decode_logp", "prefill_logp"):
+        assert torch.equal(a.response_T, b.response_T) and torch.equal(a.topk_ids, b.topk_ids)
+        for name in ("sampler_logp", "decode_logp", "prefill_logp", "topk_logp", "decode_topk_logp"):
             assert same_bits(getattr(a, name), getattr(b, name)), name
