@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import machine  # noqa: E402
+from revision_ab import other_revision  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,20 +49,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("overrides", nargs="*", help="config overrides for both sides")
     a = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="rlfw-startup-") as tmp:
-        other = Path(tmp) / "other"
-        subprocess.run(["git", "worktree", "add", "--detach", str(other), a.rev], cwd=ROOT, check=True)
-        try:
-            sides = {"this": ROOT, a.rev: other}
-            runs = {name: Path(tmp) / f"runs-{i}" for i, name in enumerate(sides)}
-            for name, code in sides.items():  # warm start cached, extension built: not timed
-                timed_run(code, runs[name], 1, a.overrides)
-            times: dict[str, list[float]] = {name: [] for name in sides}
-            for _ in range(a.reps):
-                for name, code in sides.items():
-                    times[name].append(timed_run(code, runs[name], a.steps, a.overrides))
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, check=False)
+    folder = tempfile.TemporaryDirectory(prefix="rlfw-startup-")
+    with folder, other_revision(a.rev, Path(folder.name)) as other:
+        tmp = folder.name
+        sides = {"this": ROOT, a.rev: other}
+        runs = {name: Path(tmp) / f"runs-{i}" for i, name in enumerate(sides)}
+        for name, code in sides.items():  # warm start cached, extension built: not timed
+            timed_run(code, runs[name], 1, a.overrides)
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(a.reps):
+            for name, code in sides.items():
+                times[name].append(timed_run(code, runs[name], a.steps, a.overrides))
     ratios = [x / y for x, y in zip(times["this"], times[a.rev], strict=True)]
     for name, t in times.items():
         print(f"{name:>10}: median {statistics.median(t):6.2f} s  ({', '.join(f'{x:.2f}' for x in t)})")

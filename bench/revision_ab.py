@@ -1,0 +1,143 @@
+"""The built-in engine's ``generate`` or the trainer's step at this checkout against another revision,
+alternated process by process.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/revision_ab.py --rev HEAD~1 [--prefill-fraction 0]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/revision_ab.py --rev HEAD~3 --what train-step
+
+The other revision is checked out into a temporary git worktree and imported first on ``PYTHONPATH``;
+the benchmark's own code (checkpoint, requests, batch) is this checkout's, so both sides get the same
+work. Each repetition starts one process per side, in turn, that builds the model, runs one untimed call
+and then ``--calls`` timed ones, one thread:
+
+* ``generate``: the 13M model of ``bench/rollout_vs_peers.py`` on its requests (16 prompts x 4 samples x
+  64 tokens, ``kernels=invariant``, ``--prefill-fraction`` of the sequences scored by the prefill
+  stream); the process reports its median tokens/s;
+* ``train-step``: the GRPO step of ``bench/train_step_backward.py`` (the same batch and settings as
+  ``bench/grpo_vs_trl.py``, one lent thread); the process reports its median seconds per step.
+
+Prints each side's per-process figures and the median of the paired ratios (this checkout's speed over
+the other's: above 1 is faster here), then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def other_revision(rev: str, folder: Path) -> Iterator[Path]:
+    """``rev`` checked out in a git worktree under ``folder``, removed on exit."""
+    other = folder / "other"
+    subprocess.run(["git", "worktree", "add", "--detach", str(other), rev], cwd=ROOT, check=True)
+    try:
+        yield other
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, check=False)
+
+
+def child_generate(calls: int, prefill_fraction: float) -> float:
+    """Median tokens/s of ``calls`` timed ``generate`` calls after one untimed call."""
+    from rollout_vs_peers import bench_prompts, write_checkpoint
+
+    from rlfw.model import from_pretrained
+    from rlfw.rollout.native import NativeEngine
+    from rlfw.types import GenerationRequest
+
+    request = GenerationRequest(list(range(16)), bench_prompts(16), n=4, max_new_tokens=64, seed=0)
+    with tempfile.TemporaryDirectory() as folder:
+        write_checkpoint("13m", folder)
+        model = from_pretrained(folder, kernels="invariant")
+        engine = NativeEngine(model, max_slots=64, max_model_len=128, prefill_fraction=prefill_fraction)
+        engine.generate(request)
+        rates = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            tokens = sum(s.response_T.numel() for s in engine.generate(request))
+            rates.append(tokens / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def child_train_step(calls: int) -> float:
+    """Median seconds of ``calls`` timed train steps after one untimed step."""
+    from train_step_backward import setup
+
+    from rlfw.kernels import threads
+
+    with tempfile.TemporaryDirectory() as folder:
+        step = setup(Path(folder) / "model")
+        threads.set_lender(lambda: 1)
+        step()
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_side(code_root: Path, a: argparse.Namespace) -> float:
+    """One process of one side: its figure (tokens/s or seconds per step)."""
+    env = os.environ | {"PYTHONPATH": str(code_root), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, __file__, "--child", a.what, "--calls", str(a.calls)]
+    args += ["--prefill-fraction", str(a.prefill_fraction)]
+    out = subprocess.run(args, cwd=code_root, env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"{code_root}: the {a.what} process exited {out.returncode}:\n{out.stderr[-3000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rev", help="the other revision (required unless --child)")
+    p.add_argument("--what", choices=("generate", "train-step"), default="generate")
+    p.add_argument("--reps", type=int, default=4, help="processes per side, alternated")
+    p.add_argument("--calls", type=int, default=3, help="timed calls per process")
+    p.add_argument("--prefill-fraction", type=float, default=1.0)
+    p.add_argument("--child", choices=("generate", "train-step"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        import torch
+
+        torch.set_num_threads(1)
+        if a.child == "generate":
+            print(child_generate(a.calls, a.prefill_fraction))
+        else:
+            print(child_train_step(a.calls))
+        return
+    if not a.rev:
+        p.error("--rev is required")
+    tmp = tempfile.TemporaryDirectory(prefix="rlfw-revision-")
+    with tmp, other_revision(a.rev, Path(tmp.name)) as other:
+        sides = {"this": ROOT, a.rev: other}
+        figures: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(a.reps):
+            for name, code in sides.items():
+                figures[name].append(run_side(code, a))
+    faster = (lambda x, y: x / y) if a.what == "generate" else (lambda x, y: y / x)
+    ratios = [faster(x, y) for x, y in zip(figures["this"], figures[a.rev], strict=True)]
+    unit = "tok/s" if a.what == "generate" else "s/step"
+    for name, f in figures.items():
+        print(f"{name:>10}: median {statistics.median(f):8.2f} {unit}  ({', '.join(f'{x:.2f}' for x in f)})")
+    print(f"this over {a.rev} (speed): median of paired ratios {statistics.median(ratios):.3f}")
+    record = {"machine": machine.describe(), "rev": a.rev, "what": a.what, "calls": a.calls}
+    record |= {"prefill_fraction": a.prefill_fraction} if a.what == "generate" else {}
+    print(json.dumps(record | {unit: figures, "speed_ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()
