@@ -38,7 +38,7 @@ class Sequence:
     slot: int = -1
     kv_oldest: int | None = None  # oldest weight version among the entries in its slot
     prompt_kv_version: int | None = None  # version of the prefill that wrote the prompt's rows
-    response: list[int] = field(default_factory=list)  # its streams: the engine's StreamRecords, by slot
+    response: list[int] = field(default_factory=list)  # their streams: NativeEngine.records, this slot
     version: list[int] = field(default_factory=list)
     kv_version: list[int] = field(default_factory=list)
     routing: list[Tensor] = field(default_factory=list)  # [n, L, k] chunks, positions 0 .. fed so far
