@@ -50,10 +50,10 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="config overrides for both sides")
     a = p.parse_args()
     folder = tempfile.TemporaryDirectory(prefix="rlfw-startup-")
-    with folder, other_revision(a.rev, Path(folder.name)) as other:
-        tmp = folder.name
+    tmp = Path(folder.name)
+    with folder, other_revision(a.rev, tmp) as other:
         sides = {"this": ROOT, a.rev: other}
-        runs = {name: Path(tmp) / f"runs-{i}" for i, name in enumerate(sides)}
+        runs = {name: tmp / f"runs-{i}" for i, name in enumerate(sides)}
         for name, code in sides.items():  # warm start cached, extension built: not timed
             timed_run(code, runs[name], 1, a.overrides)
         times: dict[str, list[float]] = {name: [] for name in sides}
