@@ -55,6 +55,20 @@ class CacheWrite:
 
 
 @dataclass(frozen=True)
+class PagedWrite:
+    """One forward's K/V destination and reads for a layer inside vLLM: its paged cache tensor
+    ``[blocks, Hkv, block, 2 * D]`` (vLLM's CPU layout), each token's cache slot ``slot_mapping [N]``
+    (negative: padding), and what :func:`rlfw.kernels.attention.paged_attention` reads: each token's
+    sequence ``seq [N]`` and position ``q_pos [N]``, and the sequences' ``block_table [R, MB]`` (int64)."""
+
+    kv_cache: Tensor
+    slot_mapping: Tensor
+    seq: Tensor
+    q_pos: Tensor
+    block_table: Tensor
+
+
+@dataclass(frozen=True)
 class BlockShape:
     """The block's head layout and its norms' epsilon."""
 
@@ -71,20 +85,25 @@ def cached_block(
     shape: BlockShape,
     cos: Tensor,
     sin: Tensor,
-    cache: CacheWrite,
+    cache: CacheWrite | PagedWrite,
 ) -> Tensor | None:
     """The block's output ``[B, T, H]``, or ``None`` where the compiled call does not serve.
 
     ``weights``: q, k, v, o, gate, up and down projections ``[N, K]``; ``norms``: the input and
-    post-attention RMSNorm weights, then the q and k norm weights if the model has them."""
+    post-attention RMSNorm weights, then the q and k norm weights if the model has them. ``cache``: the
+    built-in engine's slotted cache, or a layer's paged cache inside vLLM (``x [1, N, H]``, a step's flat
+    batch)."""
     if _per_op_depth or x.dim() != 3 or x.numel() == 0 or len(weights) != 7 or len(norms) not in (2, 4):
         return None
-    tensors = (x, *weights, *norms, cos, sin, cache.k_cache, cache.v_cache)
+    caches = (cache.kv_cache,) if isinstance(cache, PagedWrite) else (cache.k_cache, cache.v_cache)
+    tensors = (x, *weights, *norms, cos, sin, *caches)
     if not cpu_native.serves(*tensors) or needs_grad(*tensors):
         return None
     panels = [matmul.frozen_panels(w) for w in weights]
-    if any(p is None for p in panels) or not all(t.is_contiguous() for t in tensors[-4:]):
+    if any(p is None for p in panels) or not all(t.is_contiguous() for t in (cos, sin, *caches)):
         return None  # cos, sin and the caches are read in place
+    if isinstance(cache, PagedWrite):
+        return _paged_block(x, panels, weights, norms, shape, cos, sin, cache)  # type: ignore[arg-type]
     with widened():
         out: Tensor = cpu_native.module().cached_block(
             x.contiguous(),
@@ -102,6 +121,40 @@ def cached_block(
             *(i.to(torch.long).contiguous() for i in (cache.rows, cache.cols, cache.dest, cache.pos)),
             cache.q_pos.to(torch.long).contiguous(),
             cache.slots.to(torch.long).contiguous(),
+            shape.head_dim**-0.5,
+        )
+    return out
+
+
+def _paged_block(
+    x: Tensor,
+    panels: Sequence[Tensor],
+    weights: Sequence[Tensor],
+    norms: Sequence[Tensor],
+    shape: BlockShape,
+    cos: Tensor,
+    sin: Tensor,
+    cache: PagedWrite,
+) -> Tensor | None:
+    """:func:`cached_block` over vLLM's paged cache (``x [1, N, H]``)."""
+    if x.shape[0] != 1 or cache.slot_mapping.shape[0] != x.shape[1] or cache.q_pos.shape[0] != x.shape[1]:
+        return None  # a padded batch: the per-op path leaves the padding rows to vLLM
+    blocks, hkv, block, width = cache.kv_cache.shape
+    indices = (cache.slot_mapping, cache.seq, cache.q_pos, cache.block_table)
+    with widened():
+        out: Tensor = cpu_native.module().paged_block(
+            x.contiguous(),
+            list(panels),
+            [int(w.shape[0]) for w in weights],
+            [n.contiguous() for n in norms],
+            float(shape.eps),
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim,
+            cos,
+            sin,
+            cache.kv_cache.view(blocks, hkv, 2 * block, width // 2),
+            *(t.to(torch.long).contiguous() for t in indices),
             shape.head_dim**-0.5,
         )
     return out

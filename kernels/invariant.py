@@ -28,7 +28,7 @@ from torch import Tensor
 from rlfw.kernels import attention as attn
 from rlfw.kernels import block, cpu_native, elementwise, grads, matmul, norm, router, softmax
 from rlfw.kernels.autograd import InvariantLinear, needs_grad, recompute_backward
-from rlfw.kernels.block import BlockShape, CacheWrite
+from rlfw.kernels.block import BlockShape, CacheWrite, PagedWrite
 
 BACKENDS = ("auto", "torch", "triton", "vllm")
 
@@ -147,7 +147,7 @@ class InvariantOps:
         shape: BlockShape,
         cos: Tensor,
         sin: Tensor,
-        cache: CacheWrite,
+        cache: CacheWrite | PagedWrite,
     ) -> Tensor | None:
         """On the CPU kernels: the block's kernel calls made in one compiled call (same bits)."""
         if self.backend != "torch":

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from rlfw.kernels.block import BlockShape, CacheWrite
+from rlfw.kernels.block import BlockShape, CacheWrite, PagedWrite
 
 
 class Ops(Protocol):
@@ -89,7 +89,7 @@ class Ops(Protocol):
         shape: BlockShape,
         cos: Tensor,
         sin: Tensor,
-        cache: CacheWrite,
+        cache: CacheWrite | PagedWrite,
     ) -> Tensor | None:
         """A dense block's forward over an engine's KV cache in one call, with the bits of the per-op path
         (:mod:`rlfw.kernels.block`), or ``None`` where this op set has no such call for these operands

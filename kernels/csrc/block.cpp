@@ -1,4 +1,5 @@
-// One dense decoder block over an engine's slotted KV cache, in one call (fp32, no autograd).
+// One dense decoder block over an engine's KV cache, in one call (fp32, no autograd): the built-in engine's
+// slotted cache (cached_block) or vLLM's paged one (paged_block).
 //
 // The per-op path (rlfw/model/layers.py: Block, Attention, MLP) calls these same kernels from Python, one
 // call per op, each behind Python and torch dispatch; on a small model's decode step that dispatch is
@@ -18,6 +19,8 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor& u, bool keep_denom);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& q_pos, const torch::Tensor& rows, double scale);
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& seq,
+                              const torch::Tensor& pos, const torch::Tensor& block_table, double scale);
 
 namespace {
 
@@ -59,20 +62,40 @@ void write_kv(torch::Tensor& cache, const torch::Tensor& src, const torch::Tenso
   }
 }
 
-}  // namespace
 
-// x [B, T, H]; panels: q, k, v, o, gate, up, down packed by pack() with outs[i] outputs each; norms:
-// the input and post-attention RMSNorm weights, then optionally the per-head q and k norm weights;
-// cos and sin [B, T, head_dim]; the layer's cache k and v [slots, S, Hkv, D]; each valid token's K/V goes
-// from batch entry (src_rows, src_cols) to cache (dest, pos); q_pos [B, T] the queries' positions and
-// slots [B] the cache row each batch entry reads. Returns the block's output [B, T, H].
-torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
+// kv [NB, Hkv, 2 * BS, D] (vLLM's CPU cache viewed as kernels/attention.py's _kv_pairs): token i's K (`value`
+// false) or V heads from src [N, Hkv, D] go to slot slots[i] = block * BS + offset, at row offset (keys) or
+// BS + offset (values) of each head's block; a negative slot is padding and skipped. The floats are copied as
+// they are, what paged_store's index assignment stores.
+void write_paged(torch::Tensor& kv, const torch::Tensor& src, const torch::Tensor& slots, bool value) {
+  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.scalar_type() == at::kFloat && kv.size(2) % 2 == 0,
+              "paged_block: contiguous fp32 cache [blocks, Hkv, 2 * block, D]");
+  TORCH_CHECK(src.dim() == 3 && src.is_contiguous() && src.scalar_type() == at::kFloat && src.size(1) == kv.size(1) &&
+                  src.size(2) == kv.size(3),
+              "paged_block: K/V [N, Hkv, D] matching the cache's heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == src.size(0),
+              "paged_block: one int64 slot per token");
+  const int64_t hkv = kv.size(1), block = kv.size(2) / 2, d = kv.size(3), capacity = kv.size(0) * block;
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const float* from = src.data_ptr<float>();
+  float* to = kv.data_ptr<float>();
+  for (int64_t i = 0; i < src.size(0); ++i) {
+    if (s[i] < 0) continue;
+    TORCH_CHECK(s[i] < capacity, "paged_block: slot ", s[i], " past the cache's ", capacity, " positions");
+    const int64_t b = s[i] / block, j = s[i] % block + (value ? block : 0);
+    for (int64_t h = 0; h < hkv; ++h)
+      std::memcpy(to + ((b * hkv + h) * 2 * block + j) * d, from + (i * hkv + h) * d, d * sizeof(float));
+  }
+}
+
+// The block around its attention: RMSNorm, the q/k/v projections, the q and k norms, RoPE, then
+// attend(q [B, T, Hq, D], k, v [B, T, Hkv, D]) -> [B * T, Hq * D] (which writes the cache), the output
+// projection, the residual add, RMSNorm, SiLU-mul of gate and up, the down projection, the residual add.
+template <typename Attend>
+torch::Tensor block_around(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
                            const std::vector<int64_t>& outs, const std::vector<torch::Tensor>& norms, double eps,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, const torch::Tensor& cos,
-                           const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                           const torch::Tensor& src_rows, const torch::Tensor& src_cols, const torch::Tensor& dest,
-                           const torch::Tensor& pos, const torch::Tensor& q_pos, const torch::Tensor& slots,
-                           double scale) {
+                           const torch::Tensor& sin, const Attend& attend) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "cached_block: fp32 x [B, T, H]");
   TORCH_CHECK(panels.size() == 7 && outs.size() == 7, "cached_block: seven packed weights");
   TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "cached_block: two or four norm weights");
@@ -87,11 +110,51 @@ torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tens
   }
   q = rope(q.contiguous(), cos, sin);
   k = rope(k.contiguous(), cos, sin);
-  write_kv(k_cache, k, src_rows, src_cols, dest, pos);
-  write_kv(v_cache, v, src_rows, src_cols, dest, pos);
-  const torch::Tensor a = attention(q, k_cache, v_cache, q_pos, slots, scale);
-  const torch::Tensor x1 = x + project(a.view({b * t, -1}), panels[3], outs[3]).view({b, t, outs[3]});
+  const torch::Tensor a = attend(q, k, v);
+  const torch::Tensor x1 = x + project(a, panels[3], outs[3]).view({b, t, outs[3]});
   const torch::Tensor m = norm(x1, norms[1], eps).view({b * t, hidden});
   const torch::Tensor act = silu_mul(project(m, panels[4], outs[4]), project(m, panels[5], outs[5]), false)[0];
   return x1 + project(act, panels[6], outs[6]).view({b, t, outs[6]});
+}
+
+}  // namespace
+
+// x [B, T, H]; panels: q, k, v, o, gate, up and down packed by pack() with outs[i] outputs each; norms:
+// the input and post-attention RMSNorm weights, then optionally the per-head q and k norm weights;
+// cos and sin [B, T, head_dim]; the layer's cache k and v [slots, S, Hkv, D]; each valid token's K/V goes
+// from batch entry (src_rows, src_cols) to cache (dest, pos); q_pos [B, T] the queries' positions and
+// slots [B] the cache row each batch entry reads. Returns the block's output [B, T, H].
+torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
+                           const std::vector<int64_t>& outs, const std::vector<torch::Tensor>& norms, double eps,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, const torch::Tensor& cos,
+                           const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                           const torch::Tensor& src_rows, const torch::Tensor& src_cols, const torch::Tensor& dest,
+                           const torch::Tensor& pos, const torch::Tensor& q_pos, const torch::Tensor& slots,
+                           double scale) {
+  const auto attend = [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+    write_kv(k_cache, k, src_rows, src_cols, dest, pos);
+    write_kv(v_cache, v, src_rows, src_cols, dest, pos);
+    return attention(q, k_cache, v_cache, q_pos, slots, scale).view({q.size(0) * q.size(1), -1});
+  };
+  return block_around(x, panels, outs, norms, eps, heads, kv_heads, head_dim, cos, sin, attend);
+}
+
+// The same block inside vLLM: x [1, N, H] is a step's N tokens of many sequences, cos and sin [1, N, head_dim];
+// kv [NB, Hkv, 2 * BS, D] is the layer's paged cache (vLLM's CPU tensor viewed as kernels/attention.py's
+// _kv_pairs), written at slot_mapping [N] (negative: skipped) and read through block_table [R, MB]: token i of
+// sequence seq[i] at position q_pos[i] (paged_attention's arguments). Returns the block's output [1, N, H].
+torch::Tensor paged_block(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
+                          const std::vector<int64_t>& outs, const std::vector<torch::Tensor>& norms, double eps,
+                          int64_t heads, int64_t kv_heads, int64_t head_dim, const torch::Tensor& cos,
+                          const torch::Tensor& sin, torch::Tensor kv, const torch::Tensor& slot_mapping,
+                          const torch::Tensor& seq, const torch::Tensor& q_pos, const torch::Tensor& block_table,
+                          double scale) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "paged_block: x [1, N, H]");
+  const int64_t n = x.size(1);
+  const auto attend = [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+    write_paged(kv, k.view({n, kv_heads, head_dim}), slot_mapping, false);
+    write_paged(kv, v.contiguous().view({n, kv_heads, head_dim}), slot_mapping, true);
+    return paged_attention(q.view({n, heads, head_dim}), kv, seq, q_pos, block_table, scale).view({n, -1});
+  };
+  return block_around(x, panels, outs, norms, eps, heads, kv_heads, head_dim, cos, sin, attend);
 }

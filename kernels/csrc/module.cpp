@@ -33,6 +33,12 @@ torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tens
                            const torch::Tensor& src_rows, const torch::Tensor& src_cols, const torch::Tensor& dest,
                            const torch::Tensor& pos, const torch::Tensor& q_pos, const torch::Tensor& slots,
                            double scale);
+torch::Tensor paged_block(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
+                          const std::vector<int64_t>& outs, const std::vector<torch::Tensor>& norms, double eps,
+                          int64_t heads, int64_t kv_heads, int64_t head_dim, const torch::Tensor& cos,
+                          const torch::Tensor& sin, torch::Tensor kv, const torch::Tensor& slot_mapping,
+                          const torch::Tensor& seq, const torch::Tensor& q_pos, const torch::Tensor& block_table,
+                          double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, "batch-invariant fp32 linear (one fma chain per output element)");
@@ -55,5 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gumbel", &gumbel, "seeded Gumbel noise [N, vocab], row i from seeds[i] alone (SplitMix64)");
   mod.def("cached_block", &cached_block,
           "a dense block over an engine's KV cache: the per-op path's kernel calls, in one call (same bits)");
+  mod.def("paged_block", &paged_block,
+          "the same block inside vLLM, over its paged cache and block table (same bits as the per-op path)");
   mod.def("vectorised", &vectorised, "whether the AVX2/FMA path was compiled");
 }

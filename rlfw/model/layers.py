@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from rlfw.kernels import Ops
-from rlfw.kernels.block import BlockShape, CacheWrite
+from rlfw.kernels.block import BlockShape, CacheWrite, PagedWrite
 from rlfw.model.cache import KVCache
 from rlfw.model.config import ModelArgs
 from rlfw.model.routing import RouterTrace
@@ -71,7 +71,7 @@ class ForwardContext:
         self.cache.v[layer][dest, pos] = v[rows, cols]
         return self.cache.k[layer], self.cache.v[layer], self._slots
 
-    def cache_write(self, layer: int) -> CacheWrite | None:
+    def cache_write(self, layer: int) -> CacheWrite | PagedWrite | None:
         """Where :meth:`store_kv` would write this layer's K/V and what the attention reads, for a block
         computed in one call (:meth:`Ops.cached_block`); ``None`` without an engine cache."""
         if self.cache is None:

@@ -4,7 +4,9 @@ With the shared model on the invariant op set (the default here) vLLM runs the t
 every stream is compared with the trainer's replay bit for bit, also across chunked prefill and the
 prefix cache.
 
-Each vLLM engine takes a few seconds to start, so engines are module fixtures shared by the tests.
+Each vLLM engine takes a few seconds to start, so engines are module fixtures shared by the tests. The
+tests on the shared ``engine`` come first: shutting down an in-process vLLM (as later tests do with
+engines of their own) clears process-wide state (its parallel groups) that the shared engine's worker reads.
 """
 
 from __future__ import annotations
@@ -149,6 +151,39 @@ def test_a_greedy_request_is_top_k_one(
         with torch.no_grad():
             logits = model(a.tokens[None])[0, a.prompt_P.shape[0] - 1 : -1]
         assert torch.equal(a.response_T, process_logits(logits, SAMPLER.transforms()).argmax(-1))
+
+
+def test_blocks_in_one_call_inside_vllm_give_the_per_op_bits(
+    engine: VllmEngine, ckpts: dict[str, tuple[Transformer, Path]]
+) -> None:
+    """Inside vLLM on the CPU kernels each dense block runs in one compiled call over vLLM's paged cache
+    (``kernels/csrc/block.cpp: paged_block``), in every forward: prompt prefill, decode steps and the
+    rescoring pass. Every record equals that of the same requests run op by op, bit for bit."""
+    from rlfw.kernels.block import PagedWrite, per_op
+    from rlfw.kernels.invariant import InvariantOps
+
+    request = GenerationRequest([0, 1, 2], prompts([5, 11, 17], seed=12), n=2, max_new_tokens=9, seed=8)
+    served: list[bool] = []
+    original = InvariantOps.cached_block
+
+    def spy(self, x, weights, norms, shape, cos, sin, cache):  # type: ignore[no-untyped-def]
+        out = original(self, x, weights, norms, shape, cos, sin, cache)
+        served.append(isinstance(cache, PagedWrite) and out is not None)
+        return out
+
+    InvariantOps.cached_block = spy  # type: ignore[method-assign]
+    try:
+        fused = engine.generate(request)
+    finally:
+        InvariantOps.cached_block = original  # type: ignore[method-assign]
+    forwards = 1 + 8 + 1  # at least: the prompts' prefill, eight decode steps, the rescoring pass
+    assert len(served) >= forwards * ckpts["a"][0].args.num_layers and all(served)
+    with per_op():
+        one_by_one = engine.generate(request)
+    for a, b in zip(fused, one_by_one, strict=True):
+        assert torch.equal(a.response_T, b.response_T)
+        for stream in ("sampler_logp", "decode_logp", "prefill_logp", "topk_logp", "topk_ids"):
+            assert torch.equal(getattr(a, stream), getattr(b, stream)), stream
 
 
 def test_the_prefix_cache_and_chunked_prefill_keep_the_bits(

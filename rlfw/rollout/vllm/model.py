@@ -7,7 +7,9 @@ head, from the same :class:`~rlfw.model.Transformer` modules the trainer runs, o
 selects (``kernels=invariant|default``). Under ``kernels=invariant`` on CPU the attention too is the
 shared one, over vLLM's paged cache (:mod:`rlfw.rollout.vllm.attention`), so every op of the engine's
 forward is the trainer's; elsewhere vLLM's own attention backend runs. ``rlfw audit engine=vllm``
-checks the result and localises what differs.
+checks the result and localises what differs. On the CPU kernels a dense block then runs in one compiled
+call over vLLM's cache (:class:`PagedContext`), as in the built-in engine: the same kernel calls in the
+same order, without a Python call per op.
 
 Registration: the ``vllm.general_plugins`` entry point ``rlfw`` calls :func:`register` in every process
 vLLM starts; a checkpoint selects the model with ``hf_overrides={"architectures": [ARCHITECTURE],
@@ -16,12 +18,14 @@ vLLM starts; a checkpoint selects the model with ``hf_overrides={"architectures"
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from rlfw.kernels.block import PagedWrite
 from rlfw.model.config import ModelArgs, args_from_hf_config
 from rlfw.model.layers import Attention as RlfwAttention
 from rlfw.model.layers import Block, ForwardContext
@@ -68,6 +72,40 @@ class PagedAttention(RlfwAttention):
 
             self.attn.impl = SharedPagedAttention.replacing(self.attn.impl)
 
+    @property
+    def shared(self) -> bool:
+        """Whether the layer's attention is the shared one (what the compiled block computes)."""
+        from rlfw.rollout.vllm.attention import SharedPagedAttention
+
+        return isinstance(self.attn.impl, SharedPagedAttention)
+
+    def paged_write(self, steps: dict[int, tuple[Tensor, Tensor, Tensor]]) -> PagedWrite | None:
+        """This step's cache write and reads for the layer, as the shared attention would make them
+        (``steps``: each metadata's token sequences, positions and block table, found once per forward);
+        ``None`` where that attention does not serve (vLLM's own backend, its warm-up pass, a layer that
+        shares another's cache), so the block runs op by op."""
+        from vllm.forward_context import is_forward_context_available
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        from rlfw.rollout.vllm.attention import token_positions
+
+        if not self.shared or self.attn.kv_sharing_target_layer_name is not None:
+            return None
+        if not is_forward_context_available():
+            return None
+        metadata, _, kv_cache, slot_mapping = get_attention_context(self.attn.layer_name)
+        if metadata is None or slot_mapping is None:
+            return None
+        if not metadata.causal or metadata.dynamic_causal is not None:
+            return None  # the per-op path names what is unsupported
+        key = id(metadata)
+        if key not in steps:
+            n = metadata.num_actual_tokens
+            seq, pos = token_positions(metadata.query_start_loc, metadata.seq_lens, n)
+            steps[key] = (seq, pos, metadata.block_table.to(torch.long).contiguous())
+        seq, pos, table = steps[key]
+        return PagedWrite(kv_cache, slot_mapping, seq, pos, table)
+
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         n, ops = x.shape[1], ctx.ops
         q = self.q_proj(x, ctx).view(1, n, self.num_heads, self.head_dim)
@@ -78,6 +116,17 @@ class PagedAttention(RlfwAttention):
         q, k = ops.rope(q, ctx.cos, ctx.sin), ops.rope(k, ctx.cos, ctx.sin)
         out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1))
         return self.o_proj(out.view(1, n, -1), ctx)
+
+
+@dataclass
+class PagedContext(ForwardContext):
+    """A forward inside vLLM: each layer's cache write is the paged one vLLM set up for this step."""
+
+    layers: Sequence[PagedAttention] = ()
+    steps: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
+
+    def cache_write(self, layer: int) -> PagedWrite | None:
+        return self.layers[layer].paged_write(self.steps) if self.layers else None
 
 
 class RlfwForCausalLM(Transformer):
@@ -118,7 +167,8 @@ class RlfwForCausalLM(Transformer):
         pos = positions[None].to(torch.long)
         cos, sin = rope_tables(pos, self.args.head_dim, self.args.rope_theta)
         trace = RouterTrace() if self.args.is_moe else None
-        ctx = ForwardContext(self.ops, pos, cos, sin, routing=trace)
+        layers = [block.self_attn for block in self.model.layers]
+        ctx = PagedContext(self.ops, pos, cos, sin, routing=trace, layers=layers)  # type: ignore[arg-type]
         x = inputs_embeds[None]
         for block in self.model.layers:
             x = block(x, ctx)
