@@ -102,59 +102,31 @@ def cached_block(
     panels = [matmul.frozen_panels(w) for w in weights]
     if any(p is None for p in panels) or not all(t.is_contiguous() for t in (cos, sin, *caches)):
         return None  # cos, sin and the caches are read in place
+    where: tuple[Tensor, ...]  # the cache tensors the call writes and reads
+    indices: tuple[Tensor, ...]  # where each token's K/V goes and what each query reads
     if isinstance(cache, PagedWrite):
-        return _paged_block(x, panels, weights, norms, shape, cos, sin, cache)  # type: ignore[arg-type]
+        tokens = x.shape[1]
+        if x.shape[0] != 1 or cache.slot_mapping.shape[0] != tokens or cache.q_pos.shape[0] != tokens:
+            return None  # a padded batch: the per-op path leaves the padding rows to vLLM
+        blocks, hkv, block, width = cache.kv_cache.shape
+        call = cpu_native.module().paged_block
+        where = (cache.kv_cache.view(blocks, hkv, 2 * block, width // 2),)  # kernels.attention._kv_pairs
+        indices = (cache.slot_mapping, cache.seq, cache.q_pos, cache.block_table)
+    else:
+        call = cpu_native.module().cached_block
+        where = (cache.k_cache, cache.v_cache)
+        indices = (cache.rows, cache.cols, cache.dest, cache.pos, cache.q_pos, cache.slots)
+    outs = [int(w.shape[0]) for w in weights]
+    block_args = (x.contiguous(), panels, outs, [n.contiguous() for n in norms], float(shape.eps))
+    heads = (shape.heads, shape.kv_heads, shape.head_dim)
     with widened():
-        out: Tensor = cpu_native.module().cached_block(
-            x.contiguous(),
-            panels,
-            [int(w.shape[0]) for w in weights],
-            [n.contiguous() for n in norms],
-            float(shape.eps),
-            shape.heads,
-            shape.kv_heads,
-            shape.head_dim,
+        out: Tensor = call(
+            *block_args,
+            *heads,
             cos,
             sin,
-            cache.k_cache,
-            cache.v_cache,
-            *(i.to(torch.long).contiguous() for i in (cache.rows, cache.cols, cache.dest, cache.pos)),
-            cache.q_pos.to(torch.long).contiguous(),
-            cache.slots.to(torch.long).contiguous(),
-            shape.head_dim**-0.5,
-        )
-    return out
-
-
-def _paged_block(
-    x: Tensor,
-    panels: Sequence[Tensor],
-    weights: Sequence[Tensor],
-    norms: Sequence[Tensor],
-    shape: BlockShape,
-    cos: Tensor,
-    sin: Tensor,
-    cache: PagedWrite,
-) -> Tensor | None:
-    """:func:`cached_block` over vLLM's paged cache (``x [1, N, H]``)."""
-    if x.shape[0] != 1 or cache.slot_mapping.shape[0] != x.shape[1] or cache.q_pos.shape[0] != x.shape[1]:
-        return None  # a padded batch: the per-op path leaves the padding rows to vLLM
-    blocks, hkv, block, width = cache.kv_cache.shape
-    indices = (cache.slot_mapping, cache.seq, cache.q_pos, cache.block_table)
-    with widened():
-        out: Tensor = cpu_native.module().paged_block(
-            x.contiguous(),
-            list(panels),
-            [int(w.shape[0]) for w in weights],
-            [n.contiguous() for n in norms],
-            float(shape.eps),
-            shape.heads,
-            shape.kv_heads,
-            shape.head_dim,
-            cos,
-            sin,
-            cache.kv_cache.view(blocks, hkv, 2 * block, width // 2),
-            *(t.to(torch.long).contiguous() for t in indices),
+            *where,
+            *(i.to(torch.long).contiguous() for i in indices),
             shape.head_dim**-0.5,
         )
     return out
