@@ -1,8 +1,10 @@
-"""The built-in engine with each dense block in one compiled call against the per-op path, side by side.
+"""An engine with each dense block in one compiled call against the per-op path, side by side.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/cached_block_ab.py --size 13m --prefill-fraction 0 --reps 6
+    OMP_NUM_THREADS=1 .venv/bin/python bench/cached_block_ab.py --engine vllm --reps 3
 
-One engine on the Qwen3 checkpoint of ``bench/rollout_vs_peers.py`` and its requests (16 prompts x 4
+One engine (the built-in one, or ``engine=vllm`` with the shared model: the block over vLLM's paged
+cache) on the Qwen3 checkpoint of ``bench/rollout_vs_peers.py`` and its requests (16 prompts x 4
 samples x ``--tokens`` new tokens, the sampler and decode streams on every token, the prefill stream on
 ``--prefill-fraction`` of the sequences), ``kernels=invariant``. The two sides alternate call by call on
 the same engine: ``one-call`` (``Ops.cached_block``: the block's kernel calls made from C++,
@@ -19,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import machine
 import torch
@@ -31,11 +34,10 @@ def main() -> None:
     from rollout_vs_peers import SIZES, bench_prompts, write_checkpoint
 
     from rlfw.kernels.block import per_op
-    from rlfw.model import from_pretrained
-    from rlfw.rollout.native import NativeEngine
     from rlfw.types import GenerationRequest
 
     ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=["native", "vllm"], default="native")
     ap.add_argument("--size", choices=sorted(SIZES), default="13m")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill-fraction", type=float, default=1.0)
@@ -46,12 +48,7 @@ def main() -> None:
     request = GenerationRequest(list(range(16)), bench_prompts(16), n=4, max_new_tokens=a.tokens, seed=0)
     with tempfile.TemporaryDirectory() as folder:
         write_checkpoint(a.size, folder)
-        engine = NativeEngine(
-            from_pretrained(folder, kernels="invariant"),
-            max_slots=64,
-            max_model_len=32 + a.tokens,
-            prefill_fraction=a.prefill_fraction,
-        )
+        engine = build_engine(a.engine, folder, 32 + a.tokens, a.prefill_fraction)
         tokens = [0]
 
         def one_call() -> None:
@@ -65,6 +62,7 @@ def main() -> None:
         seconds = dict(zip(sides, alternated_medians(list(sides.values()), a.reps), strict=True))
     result = {
         "machine": machine.describe(),
+        "engine": a.engine,
         "size": a.size,
         "batch": {"prompts": 16, "n": 4, "new_tokens": a.tokens, "prefill_fraction": a.prefill_fraction},
         "reps": a.reps,
@@ -75,6 +73,32 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def build_engine(name: str, folder: str, max_model_len: int, prefill_fraction: float) -> Any:
+    """The built-in engine or ``engine=vllm`` (the shared model in vLLM) on the checkpoint in ``folder``."""
+    if name == "vllm":
+        from rlfw.config import EngineConfig, SamplerConfig, VllmSettings
+        from rlfw.rollout.vllm.engine import VllmEngine
+
+        cfg = EngineConfig(
+            name="vllm",
+            max_slots=64,
+            max_model_len=max_model_len,
+            sampler=SamplerConfig(),
+            vllm=VllmSettings(),
+            prefill_fraction=prefill_fraction,
+        )
+        return VllmEngine(folder, cfg, kernels="invariant")
+    from rlfw.model import from_pretrained
+    from rlfw.rollout.native import NativeEngine
+
+    return NativeEngine(
+        from_pretrained(folder, kernels="invariant"),
+        max_slots=64,
+        max_model_len=max_model_len,
+        prefill_fraction=prefill_fraction,
+    )
 
 
 if __name__ == "__main__":
