@@ -7,7 +7,9 @@ calls in the same order (RMSNorm, the packed linears, the q/k norms, RoPE, the c
 attention, SiLU-mul, the residual adds), so its output is the per-op path's bit for bit (tested). It
 serves only where every one of those kernels would serve the per-op path and the weights are packed
 (an engine's, after :func:`rlfw.kernels.matmul.pack_frozen`); elsewhere it returns ``None`` and the
-caller runs the ops one by one.
+caller runs the ops one by one. The cache is the built-in engine's slotted one (:class:`CacheWrite`) or,
+for the shared model inside vLLM, a layer's paged cache read through vLLM's block table
+(:class:`PagedWrite`, ``paged_block`` in the same source).
 """
 
 from __future__ import annotations
