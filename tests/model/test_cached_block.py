@@ -8,42 +8,21 @@ ragged prompts (padded prefills), groups sharing a prompt, stop tokens and the p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
 import torch
 
 from rlfw.kernels.block import per_op
-from rlfw.kernels.invariant import InvariantOps
 from rlfw.model import Transformer, build_preset
 from rlfw.model.config import ModelArgs
 from rlfw.rollout.native import NativeEngine
 from rlfw.types import GenerationRequest
-from tests.rollout._helpers import prompts, same_bits
+from tests.rollout._helpers import counted, prompts, same_bits
 
 QWEN3 = ModelArgs("qwen3", 96, 128, 256, 3, 4, 2, 32)
 LLAMA = replace(QWEN3, model_type="llama", qk_norm=False)
-
-
-@contextmanager
-def counted() -> Iterator[list[int]]:
-    """Count the blocks computed in one call (``[calls, served]``) while inside."""
-    calls = [0, 0]
-    original = InvariantOps.cached_block
-
-    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        out = original(self, *args, **kwargs)
-        calls[0] += 1
-        calls[1] += out is not None
-        return out
-
-    InvariantOps.cached_block = spy  # type: ignore[method-assign]
-    try:
-        yield calls
-    finally:
-        InvariantOps.cached_block = original  # type: ignore[method-assign]
 
 
 def _generate(model: Transformer) -> list:  # type: ignore[type-arg]

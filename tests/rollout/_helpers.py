@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
+from rlfw.kernels.invariant import InvariantOps
 from rlfw.model import Transformer, build_preset
 from rlfw.model.distribution import Transforms, process_logits
 from rlfw.rollout.native import NativeEngine
@@ -20,6 +24,27 @@ def bits(t: Tensor) -> Tensor:
 
 def same_bits(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+@contextmanager
+def counted(kind: type | None = None) -> Iterator[list[int]]:
+    """Count the blocks computed in one call (``[calls, served]``) while inside; with ``kind``, a call
+    counts as served only if its cache is of that kind (the slotted ``CacheWrite`` or vLLM's paged
+    ``PagedWrite``)."""
+    calls = [0, 0]
+    original = InvariantOps.cached_block
+
+    def spy(self, x, weights, norms, shape, cos, sin, cache):  # type: ignore[no-untyped-def]
+        out = original(self, x, weights, norms, shape, cos, sin, cache)
+        calls[0] += 1
+        calls[1] += out is not None and (kind is None or isinstance(cache, kind))
+        return out
+
+    InvariantOps.cached_block = spy  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        InvariantOps.cached_block = original  # type: ignore[method-assign]
 
 
 def model(preset: str = "tiny_dense", kernels: str = "invariant", seed: int = 7) -> Transformer:
