@@ -11,6 +11,12 @@ the same engine: ``one-call`` (``Ops.cached_block``: the block's kernel calls ma
 ``kernels/csrc/block.cpp``) and ``per-op`` (the same kernels, one Python call per op). Both give the
 same bits (``tests/model/test_cached_block.py``); only the time differs. Prints JSON, and writes it to
 ``--out`` when given.
+
+``--against unshared`` (``engine=vllm``): the one-call blocks against themselves with every token on its
+own row, i.e. without computing a prefix that several requests of a step share once (a GRPO group's
+prompt in the prefill step and in the rescoring pass; :func:`rlfw.rollout.vllm.model.shared_prefixes`).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/cached_block_ab.py --engine vllm --against unshared --reps 3
 """
 
 from __future__ import annotations
@@ -42,8 +48,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill-fraction", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--against", choices=["per-op", "unshared"], default="per-op")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.against == "unshared" and a.engine != "vllm":
+        ap.error("--against unshared compares engine=vllm's steps; add --engine vllm")
     torch.set_num_threads(1)
     request = GenerationRequest(list(range(16)), bench_prompts(16), n=4, max_new_tokens=a.tokens, seed=0)
     with tempfile.TemporaryDirectory() as folder:
@@ -58,7 +67,18 @@ def main() -> None:
             with per_op():
                 one_call()
 
-        sides: dict[str, Callable[[], None]] = {"one-call": one_call, "per-op": op_by_op}
+        def unshared() -> None:
+            from rlfw.rollout.vllm import model
+
+            find = model.shared_prefixes
+            model.shared_prefixes = lambda *_: None  # type: ignore[assignment]
+            try:
+                one_call()
+            finally:
+                model.shared_prefixes = find
+
+        other = op_by_op if a.against == "per-op" else unshared
+        sides: dict[str, Callable[[], None]] = {"one-call": one_call, a.against: other}
         seconds = dict(zip(sides, alternated_medians(list(sides.values()), a.reps), strict=True))
     result = {
         "machine": machine.describe(),
@@ -68,7 +88,7 @@ def main() -> None:
         "reps": a.reps,
         "seconds": seconds,
         "tokens_per_s": {side: tokens[0] / s for side, s in seconds.items()},
-        "per-op / one-call time": seconds["per-op"] / seconds["one-call"],
+        f"{a.against} / one-call time": seconds[a.against] / seconds["one-call"],
     }
     print(json.dumps(result, indent=2))
     if a.out:

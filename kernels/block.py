@@ -59,15 +59,19 @@ class CacheWrite:
 @dataclass(frozen=True)
 class PagedWrite:
     """One forward's K/V destination and reads for a layer inside vLLM: its paged cache tensor
-    ``[blocks, Hkv, block, 2 * D]`` (vLLM's CPU layout), each token's cache slot ``slot_mapping [N]``
-    (negative: padding), and what :func:`rlfw.kernels.attention.paged_attention` reads: each token's
-    sequence ``seq [N]`` and position ``q_pos [N]``, and the sequences' ``block_table [R, MB]`` (int64)."""
+    ``[blocks, Hkv, block, 2 * D]`` (vLLM's CPU layout), each of the step's ``N`` tokens' cache slot
+    ``slot_mapping [N]`` (negative: padding), and what :func:`rlfw.kernels.attention.paged_attention` reads
+    for each of the ``U`` rows computed: its sequence ``seq [U]`` and position ``q_pos [U]``, and the
+    sequences' ``block_table [R, MB]`` (int64). ``rows [N]``: the computed row whose K/V each token's slot
+    gets, where tokens of a prefix two requests share are computed once; ``None``: token ``i`` is row
+    ``i``."""
 
     kv_cache: Tensor
     slot_mapping: Tensor
     seq: Tensor
     q_pos: Tensor
     block_table: Tensor
+    rows: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,8 @@ def cached_block(
 
     ``weights``: q, k, v, o, gate, up and down projections ``[N, K]``; ``norms``: the input and
     post-attention RMSNorm weights, then the q and k norm weights if the model has them. ``cache``: the
-    built-in engine's slotted cache, or a layer's paged cache inside vLLM (``x [1, N, H]``, a step's flat
-    batch)."""
+    built-in engine's slotted cache, or a layer's paged cache inside vLLM (``x [1, U, H]``, the rows
+    computed for a step's flat batch)."""
     if _per_op_depth or x.dim() != 3 or x.numel() == 0 or len(weights) != 7 or len(norms) not in (2, 4):
         return None
     caches = (cache.kv_cache,) if isinstance(cache, PagedWrite) else (cache.k_cache, cache.v_cache)
@@ -107,13 +111,16 @@ def cached_block(
     where: tuple[Tensor, ...]  # the cache tensors the call writes and reads
     indices: tuple[Tensor, ...]  # where each token's K/V goes and what each query reads
     if isinstance(cache, PagedWrite):
-        tokens = x.shape[1]
-        if x.shape[0] != 1 or cache.slot_mapping.shape[0] != tokens or cache.q_pos.shape[0] != tokens:
+        computed, tokens = x.shape[1], cache.slot_mapping.shape[0]
+        rows = torch.arange(tokens) if cache.rows is None else cache.rows
+        if x.shape[0] != 1 or rows.shape[0] != tokens or cache.q_pos.shape[0] != computed:
+            return None
+        if cache.rows is None and tokens != computed:
             return None  # a padded batch: the per-op path leaves the padding rows to vLLM
         blocks, hkv, block, width = cache.kv_cache.shape
         call = cpu_native.module().paged_block
         where = (cache.kv_cache.view(blocks, hkv, 2 * block, width // 2),)  # kernels.attention._kv_pairs
-        indices = (cache.slot_mapping, cache.seq, cache.q_pos, cache.block_table)
+        indices = (cache.slot_mapping, rows, cache.seq, cache.q_pos, cache.block_table)
     else:
         call = cpu_native.module().cached_block
         where = (cache.k_cache, cache.v_cache)

@@ -64,27 +64,32 @@ void write_kv(torch::Tensor& cache, const torch::Tensor& src, const torch::Tenso
 
 
 // kv [NB, Hkv, 2 * BS, D] (vLLM's CPU cache viewed as kernels/attention.py's _kv_pairs): token i's K (`value`
-// false) or V heads from src [N, Hkv, D] go to slot slots[i] = block * BS + offset, at row offset (keys) or
-// BS + offset (values) of each head's block; a negative slot is padding and skipped. The floats are copied as
+// false) or V heads, row rows[i] of src [U, Hkv, D], go to slot slots[i] = block * BS + offset, at row offset
+// (keys) or BS + offset (values) of each head's block; a negative slot is padding and skipped. Rows computed
+// once for several tokens (a prefix two requests share) go to each of their slots. The floats are copied as
 // they are, what paged_store's index assignment stores.
-void write_paged(torch::Tensor& kv, const torch::Tensor& src, const torch::Tensor& slots, bool value) {
+void write_paged(torch::Tensor& kv, const torch::Tensor& src, const torch::Tensor& slots, const torch::Tensor& rows,
+                 bool value) {
   TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.scalar_type() == at::kFloat && kv.size(2) % 2 == 0,
               "paged_block: contiguous fp32 cache [blocks, Hkv, 2 * block, D]");
   TORCH_CHECK(src.dim() == 3 && src.is_contiguous() && src.scalar_type() == at::kFloat && src.size(1) == kv.size(1) &&
                   src.size(2) == kv.size(3),
               "paged_block: K/V [N, Hkv, D] matching the cache's heads");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == src.size(0),
-              "paged_block: one int64 slot per token");
+  for (const torch::Tensor* ix : {&slots, &rows})
+    TORCH_CHECK(ix->scalar_type() == at::kLong && ix->is_contiguous() && ix->numel() == slots.numel(),
+                "paged_block: one int64 slot and source row per token");
   const int64_t hkv = kv.size(1), block = kv.size(2) / 2, d = kv.size(3), capacity = kv.size(0) * block;
   const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t* r = rows.data_ptr<int64_t>();
   const float* from = src.data_ptr<float>();
   float* to = kv.data_ptr<float>();
-  for (int64_t i = 0; i < src.size(0); ++i) {
+  for (int64_t i = 0; i < slots.numel(); ++i) {
     if (s[i] < 0) continue;
     TORCH_CHECK(s[i] < capacity, "paged_block: slot ", s[i], " past the cache's ", capacity, " positions");
+    TORCH_CHECK(r[i] >= 0 && r[i] < src.size(0), "paged_block: source row ", r[i], " of ", src.size(0));
     const int64_t b = s[i] / block, j = s[i] % block + (value ? block : 0);
     for (int64_t h = 0; h < hkv; ++h)
-      std::memcpy(to + ((b * hkv + h) * 2 * block + j) * d, from + (i * hkv + h) * d, d * sizeof(float));
+      std::memcpy(to + ((b * hkv + h) * 2 * block + j) * d, from + (r[i] * hkv + h) * d, d * sizeof(float));
   }
 }
 
@@ -139,21 +144,23 @@ torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tens
   return block_around(x, panels, outs, norms, eps, heads, kv_heads, head_dim, cos, sin, attend);
 }
 
-// The same block inside vLLM: x [1, N, H] is a step's N tokens of many sequences, cos and sin [1, N, head_dim];
-// kv [NB, Hkv, 2 * BS, D] is the layer's paged cache (vLLM's CPU tensor viewed as kernels/attention.py's
-// _kv_pairs), written at slot_mapping [N] (negative: skipped) and read through block_table [R, MB]: token i of
-// sequence seq[i] at position q_pos[i] (paged_attention's arguments). Returns the block's output [1, N, H].
+// The same block inside vLLM: x [1, U, H] holds the rows computed for a step's N tokens of many sequences
+// (U == N unless tokens share a prefix, computed once), cos and sin [1, U, head_dim]; kv [NB, Hkv, 2 * BS, D]
+// is the layer's paged cache (vLLM's CPU tensor viewed as kernels/attention.py's _kv_pairs): token i's K/V,
+// from row rows[i], go to slot_mapping[i] (negative: skipped); the cache is read through block_table [R, MB]:
+// row u is sequence seq[u]'s query at position q_pos[u] (paged_attention's arguments). Returns the block's
+// output [1, U, H].
 torch::Tensor paged_block(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
                           const std::vector<int64_t>& outs, const std::vector<torch::Tensor>& norms, double eps,
                           int64_t heads, int64_t kv_heads, int64_t head_dim, const torch::Tensor& cos,
                           const torch::Tensor& sin, torch::Tensor kv, const torch::Tensor& slot_mapping,
-                          const torch::Tensor& seq, const torch::Tensor& q_pos, const torch::Tensor& block_table,
-                          double scale) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "paged_block: x [1, N, H]");
+                          const torch::Tensor& rows, const torch::Tensor& seq, const torch::Tensor& q_pos,
+                          const torch::Tensor& block_table, double scale) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "paged_block: x [1, U, H]");
   const int64_t n = x.size(1);
   const auto attend = [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-    write_paged(kv, k.view({n, kv_heads, head_dim}), slot_mapping, false);
-    write_paged(kv, v.contiguous().view({n, kv_heads, head_dim}), slot_mapping, true);
+    write_paged(kv, k.view({n, kv_heads, head_dim}), slot_mapping, rows, false);
+    write_paged(kv, v.contiguous().view({n, kv_heads, head_dim}), slot_mapping, rows, true);
     return paged_attention(q.view({n, heads, head_dim}), kv, seq, q_pos, block_table, scale).view({n, -1});
   };
   return block_around(x, panels, outs, norms, eps, heads, kv_heads, head_dim, cos, sin, attend);

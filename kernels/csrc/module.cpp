@@ -37,8 +37,8 @@ torch::Tensor paged_block(const torch::Tensor& x, const std::vector<torch::Tenso
                           const std::vector<int64_t>& outs, const std::vector<torch::Tensor>& norms, double eps,
                           int64_t heads, int64_t kv_heads, int64_t head_dim, const torch::Tensor& cos,
                           const torch::Tensor& sin, torch::Tensor kv, const torch::Tensor& slot_mapping,
-                          const torch::Tensor& seq, const torch::Tensor& q_pos, const torch::Tensor& block_table,
-                          double scale);
+                          const torch::Tensor& rows, const torch::Tensor& seq, const torch::Tensor& q_pos,
+                          const torch::Tensor& block_table, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, "batch-invariant fp32 linear (one fma chain per output element)");

@@ -223,13 +223,13 @@ class Block(nn.Module):
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        fused = self._in_one_call(x, ctx)
+        fused = self.in_one_call(x, ctx)
         if fused is not None:
             return fused
         x = x + self.self_attn(self.input_layernorm(x, ctx), ctx)
         return x + self.mlp(self.post_attention_layernorm(x, ctx), ctx)
 
-    def _in_one_call(self, x: Tensor, ctx: ForwardContext) -> Tensor | None:
+    def in_one_call(self, x: Tensor, ctx: ForwardContext) -> Tensor | None:
         """An engine's forward over its cache through :meth:`Ops.cached_block` (the same ops in one call,
         the same bits), where the op set has that call for a dense block; else ``None``."""
         cache = ctx.cache_write(self.self_attn.layer)  # None for the trainer's forwards: no cache

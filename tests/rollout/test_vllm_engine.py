@@ -154,18 +154,32 @@ def test_a_greedy_request_is_top_k_one(
 
 
 def test_blocks_in_one_call_inside_vllm_give_the_per_op_bits(
-    engine: VllmEngine, ckpts: dict[str, tuple[Transformer, Path]]
+    engine: VllmEngine, ckpts: dict[str, tuple[Transformer, Path]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Inside vLLM on the CPU kernels each dense block runs in one compiled call over vLLM's paged cache
     (``kernels/csrc/block.cpp: paged_block``), in every forward: prompt prefill, decode steps and the
-    rescoring pass. Every record equals that of the same requests run op by op, bit for bit."""
+    rescoring pass; the two samples of a prompt have their prompt (and, rescored, their common prefix)
+    computed once. Every record equals that of the same requests run op by op, bit for bit."""
     from rlfw.kernels.block import PagedWrite, per_op
+    from rlfw.rollout.vllm import model as vllm_model
 
-    request = GenerationRequest([0, 1, 2], prompts([5, 11, 17], seed=12), n=2, max_new_tokens=9, seed=8)
+    copied: list[int] = []  # per forward that shares rows: how many tokens took another's row
+    find = vllm_model.shared_prefixes
+
+    def spy(tokens: list[int], starts: list[int], first: list[int]) -> list[int] | None:
+        source = find(tokens, starts, first)
+        copied.append(0 if source is None else sum(s != i for i, s in enumerate(source)))
+        return source
+
+    monkeypatch.setattr(vllm_model, "shared_prefixes", spy)
+    lengths = [5, 11, 17]
+    request = GenerationRequest([0, 1, 2], prompts(lengths, seed=12), n=2, max_new_tokens=9, seed=8)
     with counted(PagedWrite) as calls:
         fused = engine.generate(request)
     forwards = 1 + 8 + 1  # at least: the prompts' prefill, eight decode steps, the rescoring pass
     assert calls[0] >= forwards * ckpts["a"][0].args.num_layers and calls[1] == calls[0]
+    # the prefill computes each prompt once for its two samples; the rescoring at least that again
+    assert copied[0] == sum(lengths) and copied[-1] >= sum(lengths), copied
     with per_op():
         one_by_one = engine.generate(request)
     for a, b in zip(fused, one_by_one, strict=True):

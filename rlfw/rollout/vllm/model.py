@@ -19,7 +19,7 @@ vLLM starts; a checkpoint selects the model with ``hf_overrides={"architectures"
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -79,15 +79,12 @@ class PagedAttention(RlfwAttention):
 
         return isinstance(self.attn.impl, SharedPagedAttention)
 
-    def paged_write(self, steps: dict[int, tuple[Tensor, Tensor, Tensor]]) -> PagedWrite | None:
-        """This step's cache write and reads for the layer, as the shared attention would make them
-        (``steps``: each metadata's token sequences, positions and block table, found once per forward);
-        ``None`` where that attention does not serve (vLLM's own backend, its warm-up pass, a layer that
-        shares another's cache), so the block runs op by op."""
+    def step(self) -> tuple[Any, Tensor, Tensor] | None:
+        """vLLM's attention metadata, cache tensor and slot mapping for this layer in the running step;
+        ``None`` where the shared attention does not serve it (vLLM's own backend, its warm-up pass, a
+        layer that shares another's cache, a non-causal step), so the block runs op by op."""
         from vllm.forward_context import is_forward_context_available
         from vllm.model_executor.layers.attention.attention import get_attention_context
-
-        from rlfw.rollout.vllm.attention import token_positions
 
         if not self.shared or self.attn.kv_sharing_target_layer_name is not None:
             return None
@@ -98,13 +95,32 @@ class PagedAttention(RlfwAttention):
             return None
         if not metadata.causal or metadata.dynamic_causal is not None:
             return None  # the per-op path names what is unsupported
+        return metadata, kv_cache, slot_mapping
+
+    def paged_write(
+        self, steps: dict[int, tuple[Tensor, Tensor, Tensor]], shared: SharedPrefixes | None = None
+    ) -> PagedWrite | None:
+        """This step's cache write and reads for the layer, as the shared attention would make them
+        (``steps``: each metadata's token sequences, positions and block table, found once per forward);
+        with ``shared``, for the rows computed (:func:`shared_prefixes`). ``None`` where that attention
+        does not serve (:meth:`step`), or the step is not the one ``shared`` was found for."""
+        from rlfw.rollout.vllm.attention import token_positions
+
+        found = self.step()
+        if found is None:
+            return None
+        metadata, kv_cache, slot_mapping = found
         key = id(metadata)
+        if shared is not None and key != shared.step:
+            return None
         if key not in steps:
             n = metadata.num_actual_tokens
             seq, pos = token_positions(metadata.query_start_loc, metadata.seq_lens, n)
+            if shared is not None:
+                seq, pos = seq[shared.keep], pos[shared.keep]
             steps[key] = (seq, pos, metadata.block_table.to(torch.long).contiguous())
         seq, pos, table = steps[key]
-        return PagedWrite(kv_cache, slot_mapping, seq, pos, table)
+        return PagedWrite(kv_cache, slot_mapping, seq, pos, table, None if shared is None else shared.rows)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         n, ops = x.shape[1], ctx.ops
@@ -118,15 +134,92 @@ class PagedAttention(RlfwAttention):
         return self.o_proj(out.view(1, n, -1), ctx)
 
 
+@dataclass(frozen=True)
+class SharedPrefixes:
+    """The rows a step computes when requests share a prefix: ``keep [U]``, the first token of each
+    distinct prefix, and ``rows [N]``, each token's row among them; ``step`` names vLLM's metadata."""
+
+    keep: Tensor
+    rows: Tensor
+    step: int
+
+
+def shared_prefixes(tokens: list[int], starts: list[int], first: list[int]) -> list[int] | None:
+    """For a step's flat batch of ``tokens`` (request ``r`` feeds ``tokens[starts[r]:starts[r + 1]]``
+    from position ``first[r]``), each token's source: the earliest token of the batch with the same
+    tokens up to and including it, from position 0. ``None`` if every token is its own source.
+
+    Only requests fed from position 0 take part (a request continuing after cached or earlier positions
+    has a prefix this step does not see). The samples of a GRPO group enter vLLM as one prompt each, so
+    their prompts (and, rescored, their common prefix) are computed once."""
+    source = list(range(len(tokens)))
+    nodes: dict[tuple[int, int], int] = {}  # (source of the previous token, token) -> source
+    copies = False
+    for r, start in enumerate(starts[:-1]):
+        if first[r] != 0:
+            continue
+        previous = -1
+        for i in range(start, starts[r + 1]):
+            key = (previous, tokens[i])
+            found = nodes.get(key)
+            if found is None:
+                nodes[key] = i
+                previous = i
+            else:
+                source[i] = previous = found
+                copies = True
+    return source if copies else None
+
+
 @dataclass
 class PagedContext(ForwardContext):
-    """A forward inside vLLM: each layer's cache write is the paged one vLLM set up for this step."""
+    """A forward inside vLLM: each layer's cache write is the paged one vLLM set up for this step; with
+    ``shared``, for the rows computed once for prefixes several requests share."""
 
     layers: Sequence[PagedAttention] = ()
     steps: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
+    shared: SharedPrefixes | None = None
 
     def cache_write(self, layer: int) -> PagedWrite | None:
-        return self.layers[layer].paged_write(self.steps) if self.layers else None
+        return self.layers[layer].paged_write(self.steps, self.shared) if self.layers else None
+
+    def sharing(self, input_ids: Tensor) -> Sharing | None:
+        """This forward on the rows of :func:`shared_prefixes` (positions and RoPE tables cut to them), or
+        ``None`` where no prefix is shared or the blocks may not run in one call (an MoE model records
+        every position's routing; a step the shared attention does not serve)."""
+        if not self.layers or self.routing is not None or self.ops.name != "invariant":
+            return None
+        found = self.layers[0].step()
+        if found is None:
+            return None
+        metadata, _, slot_mapping = found
+        n = input_ids.shape[0]
+        if metadata.num_actual_tokens != n or slot_mapping.shape[0] != n:
+            return None  # a padded batch
+        starts = metadata.query_start_loc.to(torch.long)
+        requests = starts.shape[0] - 1
+        q_len = starts[1:] - starts[:-1]
+        first = metadata.seq_lens[:requests].to(torch.long) - q_len
+        if int(((first == 0) & (q_len > 1)).sum()) < 2:
+            return None  # decode steps, and steps with fewer than two new prompts
+        source = shared_prefixes(input_ids.tolist(), starts.tolist(), first.tolist())
+        if source is None:
+            return None
+        src = torch.tensor(source)
+        kept = src == torch.arange(n)
+        keep = kept.nonzero()[:, 0]
+        rows = (kept.cumsum(0) - 1)[src]
+        plan = SharedPrefixes(keep, rows, id(metadata))
+        pos, cos, sin = self.positions[:, keep], self.cos[:, keep], self.sin[:, keep]
+        return Sharing(replace(self, positions=pos, cos=cos, sin=sin, shared=plan), plan)
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """A forward's context narrowed to the rows it computes, and which rows those are."""
+
+    narrow: PagedContext
+    plan: SharedPrefixes
 
 
 class RlfwForCausalLM(Transformer):
@@ -170,11 +263,24 @@ class RlfwForCausalLM(Transformer):
         layers = [block.self_attn for block in self.model.layers]
         ctx = PagedContext(self.ops, pos, cos, sin, routing=trace, layers=layers)  # type: ignore[arg-type]
         x = inputs_embeds[None]
+        shared = ctx.sharing(input_ids) if input_ids is not None else None
+        rows: Tensor | None = None  # while blocks run on shared prefixes' rows: each token's row
+        if shared is not None:  # each row is exact whatever else the call computes (batch invariance)
+            narrow, rows = shared.narrow, shared.plan.rows
+            x = x[:, shared.plan.keep]
         for block in self.model.layers:
+            if rows is not None:
+                assert isinstance(block, Block)
+                out = block.in_one_call(x, narrow)
+                if out is not None:
+                    x = out
+                    continue
+                x, rows = x[:, rows], None  # the rest op by op, every token on its own row
             x = block(x, ctx)
         if trace is not None:
             publish_routing(trace.stacked()[0])
-        return self.model.norm(x, ctx)[0]
+        out = self.model.norm(x, ctx)[0]
+        return out if rows is None else out[rows]
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """The LM head through ``ops.linear``, as in the trainer's scoring forward. While the engine
