@@ -9,7 +9,8 @@ serves only where every one of those kernels would serve the per-op path and the
 (an engine's, after :func:`rlfw.kernels.matmul.pack_frozen`); elsewhere it returns ``None`` and the
 caller runs the ops one by one. The cache is the built-in engine's slotted one (:class:`CacheWrite`) or,
 for the shared model inside vLLM, a layer's paged cache read through vLLM's block table
-(:class:`PagedWrite`, ``paged_block`` in the same source).
+(:class:`PagedWrite`, ``paged_block`` in the same source), where a row computed once for a prefix
+several requests share writes its K/V to each of their slots.
 """
 
 from __future__ import annotations

@@ -9,7 +9,12 @@ shared one, over vLLM's paged cache (:mod:`rlfw.rollout.vllm.attention`), so eve
 forward is the trainer's; elsewhere vLLM's own attention backend runs. ``rlfw audit engine=vllm``
 checks the result and localises what differs. On the CPU kernels a dense block then runs in one compiled
 call over vLLM's cache (:class:`PagedContext`), as in the built-in engine: the same kernel calls in the
-same order, without a Python call per op.
+same order, without a Python call per op. There a step's tokens whose whole prefix another request of
+the step also feeds take that request's row (:func:`shared_prefixes`): vLLM enters each sample of a GRPO
+group as a request of its own and its prefix cache keeps whole blocks only, so without this a group's
+prompt would be computed once per sample, in the prefill step and again in the rescoring pass. Each row
+is the same bits whatever else the call computes (the kernels are batch-invariant), so the records do not
+change.
 
 Registration: the ``vllm.general_plugins`` entry point ``rlfw`` calls :func:`register` in every process
 vLLM starts; a checkpoint selects the model with ``hf_overrides={"architectures": [ARCHITECTURE],
@@ -211,7 +216,7 @@ class PagedContext(ForwardContext):
         rows = (kept.cumsum(0) - 1)[src]
         plan = SharedPrefixes(keep, rows, id(metadata))
         pos, cos, sin = self.positions[:, keep], self.cos[:, keep], self.sin[:, keep]
-        return Sharing(replace(self, positions=pos, cos=cos, sin=sin, shared=plan), plan)
+        return Sharing(replace(self, positions=pos, cos=cos, sin=sin, steps={}, shared=plan), plan)
 
 
 @dataclass(frozen=True)
