@@ -154,6 +154,18 @@ def test_a_greedy_request_is_top_k_one(
         assert torch.equal(a.response_T, process_logits(logits, SAMPLER.transforms()).argmax(-1))
 
 
+def assert_per_op_records(engine: VllmEngine, request: GenerationRequest, samples: list[Sample]) -> None:
+    """``samples`` carry the records of ``request`` run with every block op by op, bit for bit."""
+    from rlfw.kernels.block import per_op
+
+    with per_op():
+        one_by_one = engine.generate(request)
+    for a, b in zip(samples, one_by_one, strict=True):
+        assert torch.equal(a.response_T, b.response_T)
+        for stream in ("sampler_logp", "decode_logp", "prefill_logp", "topk_logp", "topk_ids"):
+            assert torch.equal(getattr(a, stream), getattr(b, stream)), stream
+
+
 def test_blocks_in_one_call_inside_vllm_give_the_per_op_bits(
     engine: VllmEngine, ckpts: dict[str, tuple[Transformer, Path]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -161,7 +173,7 @@ def test_blocks_in_one_call_inside_vllm_give_the_per_op_bits(
     (``kernels/csrc/block.cpp: paged_block``), in every forward: prompt prefill, decode steps and the
     rescoring pass; the two samples of a prompt have their prompt (and, rescored, their common prefix)
     computed once. Every record equals that of the same requests run op by op, bit for bit."""
-    from rlfw.kernels.block import PagedWrite, per_op
+    from rlfw.kernels.block import PagedWrite
     from rlfw.rollout.vllm import model as vllm_model
 
     copied: list[int] = []  # per forward that shares rows: how many tokens took another's row
@@ -181,12 +193,7 @@ def test_blocks_in_one_call_inside_vllm_give_the_per_op_bits(
     assert calls[0] >= forwards * ckpts["a"][0].args.num_layers and calls[1] == calls[0]
     # the prefill computes each prompt once for its two samples; the rescoring at least that again
     assert copied[0] == sum(lengths) and copied[-1] >= sum(lengths), copied
-    with per_op():
-        one_by_one = engine.generate(request)
-    for a, b in zip(fused, one_by_one, strict=True):
-        assert torch.equal(a.response_T, b.response_T)
-        for stream in ("sampler_logp", "decode_logp", "prefill_logp", "topk_logp", "topk_ids"):
-            assert torch.equal(getattr(a, stream), getattr(b, stream)), stream
+    assert_per_op_records(engine, request, fused)
 
 
 def test_a_block_that_cannot_run_in_one_call_after_shared_rows_keeps_the_bits(
@@ -195,7 +202,6 @@ def test_a_block_that_cannot_run_in_one_call_after_shared_rows_keeps_the_bits(
     """A forward hook on the second block makes it run op by op (a call for the whole block would skip
     the hook): a step that computed the first block on the rows of shared prefixes widens them back to
     every token there, and the records equal the per-op run's bit for bit."""
-    from rlfw.kernels.block import per_op
     from rlfw.kernels.invariant import InvariantOps
 
     served: list[tuple[bool, bool]] = []  # per block call: on shared rows, served in one call
@@ -227,12 +233,7 @@ def test_a_block_that_cannot_run_in_one_call_after_shared_rows_keeps_the_bits(
     # the first block ran on shared rows in the prefill and rescoring steps; the second never in one call
     assert sum(shared for shared, _ in served) >= 2 and all(ok for _, ok in served)
     assert hooked_forwards[0] == len(served) >= 2 + 4
-    with per_op():
-        one_by_one = engine.generate(request)
-    for a, b in zip(hooked, one_by_one, strict=True):
-        assert torch.equal(a.response_T, b.response_T)
-        for stream in ("sampler_logp", "decode_logp", "prefill_logp", "topk_logp", "topk_ids"):
-            assert torch.equal(getattr(a, stream), getattr(b, stream)), stream
+    assert_per_op_records(engine, request, hooked)
 
 
 def test_the_prefix_cache_and_chunked_prefill_keep_the_bits(
