@@ -92,18 +92,24 @@ class SharedPagedAttention(CPUAttentionBackendImpl):
         return output
 
 
-def token_positions(query_start_loc: Tensor, seq_lens: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """Each of the batch's ``n`` query tokens' request index and position.
+def request_spans(query_start_loc: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each request's first token in the step's flat batch ``starts [R + 1]`` (int64), its count of query
+    tokens ``q_len [R]`` and the position of its first query token ``first [R]``.
 
     vLLM lays a step's tokens out request by request (``query_start_loc [R + 1]``); request ``r``'s
-    ``seq_lens[r]`` counts its tokens up to and including this step's, so its ``j``-th query token sits at
-    position ``seq_lens[r] - q_len[r] + j``.
+    ``seq_lens[r]`` counts its tokens up to and including this step's, so its first query token sits at
+    position ``seq_lens[r] - q_len[r]``.
     """
     starts = query_start_loc.to(torch.long)
     q_len = starts[1:] - starts[:-1]
-    requests = q_len.shape[0]
-    seq = torch.repeat_interleave(torch.arange(requests), q_len)[:n]
-    first = seq_lens[:requests].to(torch.long) - q_len  # position of each request's first query token
+    return starts, q_len, seq_lens[: q_len.shape[0]].to(torch.long) - q_len
+
+
+def token_positions(query_start_loc: Tensor, seq_lens: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Each of the batch's ``n`` query tokens' request index and position (:func:`request_spans`: the
+    ``j``-th query token of request ``r`` sits at ``first[r] + j``)."""
+    starts, q_len, first = request_spans(query_start_loc, seq_lens)
+    seq = torch.repeat_interleave(torch.arange(q_len.shape[0]), q_len)[:n]
     pos = torch.arange(n) - starts[:-1][seq] + first[seq]
     return seq, pos
 

@@ -188,10 +188,13 @@ class PagedContext(ForwardContext):
     def cache_write(self, layer: int) -> PagedWrite | None:
         return self.layers[layer].paged_write(self.steps, self.shared) if self.layers else None
 
-    def sharing(self, input_ids: Tensor) -> Sharing | None:
-        """This forward on the rows of :func:`shared_prefixes` (positions and RoPE tables cut to them), or
+    def sharing(self, input_ids: Tensor) -> PagedContext | None:
+        """This forward's context on the rows of :func:`shared_prefixes` (positions and RoPE tables cut to
+        them, ``shared`` set), or
         ``None`` where no prefix is shared or the blocks may not run in one call (an MoE model records
         every position's routing; a step the shared attention does not serve)."""
+        from rlfw.rollout.vllm.attention import request_spans
+
         if not self.layers or self.routing is not None or self.ops.name != "invariant":
             return None
         found = self.layers[0].step()
@@ -201,10 +204,7 @@ class PagedContext(ForwardContext):
         n = input_ids.shape[0]
         if metadata.num_actual_tokens != n or slot_mapping.shape[0] != n:
             return None  # a padded batch
-        starts = metadata.query_start_loc.to(torch.long)
-        requests = starts.shape[0] - 1
-        q_len = starts[1:] - starts[:-1]
-        first = metadata.seq_lens[:requests].to(torch.long) - q_len
+        starts, q_len, first = request_spans(metadata.query_start_loc, metadata.seq_lens)
         if int(((first == 0) & (q_len > 1)).sum()) < 2:
             return None  # decode steps, and steps with fewer than two new prompts
         source = shared_prefixes(input_ids.tolist(), starts.tolist(), first.tolist())
@@ -216,15 +216,7 @@ class PagedContext(ForwardContext):
         rows = (kept.cumsum(0) - 1)[src]
         plan = SharedPrefixes(keep, rows, id(metadata))
         pos, cos, sin = self.positions[:, keep], self.cos[:, keep], self.sin[:, keep]
-        return Sharing(replace(self, positions=pos, cos=cos, sin=sin, steps={}, shared=plan), plan)
-
-
-@dataclass(frozen=True)
-class Sharing:
-    """A forward's context narrowed to the rows it computes, and which rows those are."""
-
-    narrow: PagedContext
-    plan: SharedPrefixes
+        return replace(self, positions=pos, cos=cos, sin=sin, steps={}, shared=plan)
 
 
 class RlfwForCausalLM(Transformer):
@@ -268,14 +260,14 @@ class RlfwForCausalLM(Transformer):
         layers = [block.self_attn for block in self.model.layers]
         ctx = PagedContext(self.ops, pos, cos, sin, routing=trace, layers=layers)  # type: ignore[arg-type]
         x = inputs_embeds[None]
-        shared = ctx.sharing(input_ids) if input_ids is not None else None
+        narrow = ctx.sharing(input_ids) if input_ids is not None else None
         rows: Tensor | None = None  # while blocks run on shared prefixes' rows: each token's row
-        if shared is not None:  # each row is exact whatever else the call computes (batch invariance)
-            narrow, rows = shared.narrow, shared.plan.rows
-            x = x[:, shared.plan.keep]
+        if narrow is not None and narrow.shared is not None:  # exact: no row's bits depend on its batch
+            x, rows = x[:, narrow.shared.keep], narrow.shared.rows
         for block in self.model.layers:
             if rows is not None:
                 assert isinstance(block, Block)
+                assert narrow is not None
                 out = block.in_one_call(x, narrow)
                 if out is not None:
                     x = out
