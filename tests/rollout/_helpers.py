@@ -28,16 +28,19 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
 
 @contextmanager
 def counted(kind: type | None = None) -> Iterator[list[int]]:
-    """Count the blocks computed in one call (``[calls, served]``) while inside; with ``kind``, a call
-    counts as served only if its cache is of that kind (the slotted ``CacheWrite`` or vLLM's paged
-    ``PagedWrite``)."""
-    calls = [0, 0]
+    """Count the blocks computed in one call (``[calls, served, served on shared rows]``) while inside;
+    with ``kind``, a call counts as served only if its cache is of that kind (the slotted ``CacheWrite``
+    or vLLM's paged ``PagedWrite``). Shared rows: a ``PagedWrite`` whose tokens of a prefix several
+    requests share were computed once (its ``rows``)."""
+    calls = [0, 0, 0]
     original = InvariantOps.cached_block
 
     def spy(self, x, weights, norms, shape, cos, sin, cache):  # type: ignore[no-untyped-def]
         out = original(self, x, weights, norms, shape, cos, sin, cache)
+        served = out is not None and (kind is None or isinstance(cache, kind))
         calls[0] += 1
-        calls[1] += out is not None and (kind is None or isinstance(cache, kind))
+        calls[1] += served
+        calls[2] += served and getattr(cache, "rows", None) is not None
         return out
 
     InvariantOps.cached_block = spy  # type: ignore[method-assign]
