@@ -15,6 +15,7 @@ from rlfw.kernels import Ops
 from rlfw.kernels.block import BlockShape, CacheWrite, PagedWrite
 from rlfw.model.cache import KVCache
 from rlfw.model.config import ModelArgs
+from rlfw.model.packing import PackedRows
 from rlfw.model.routing import RouterTrace
 
 
@@ -25,7 +26,9 @@ class ForwardContext:
     ``positions [B, T]``: each token's position in its sequence, ``-1`` for padding. ``cos``/``sin``
     ``[B, T, head_dim]`` fp32 RoPE tables at those positions. ``cache``/``slots``: the KV cache rows this
     batch reads and extends (prefill and decode); without a cache, K/V go to a temporary buffer of the
-    same layout, so training and scoring reduce over keys exactly as the engine does.
+    same layout, so training and scoring reduce over keys exactly as the engine does. ``packed``: a
+    cache-less forward over only the tokens it computes (:class:`~rlfw.model.packing.PackedRows`), the
+    positions and tables then theirs, ``[1, N]``.
     """
 
     ops: Ops
@@ -35,6 +38,7 @@ class ForwardContext:
     cache: KVCache | None = None
     slots: Tensor | None = None
     routing: RouterTrace | None = None
+    packed: PackedRows | None = None
 
     @property
     def valid(self) -> Tensor:
@@ -70,6 +74,14 @@ class ForwardContext:
         self.cache.k[layer][dest, pos] = k[rows, cols]
         self.cache.v[layer][dest, pos] = v[rows, cols]
         return self.cache.k[layer], self.cache.v[layer], self._slots
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Causal attention of this step's ``q [B, T, Hq, D]`` over the sequence so far, after storing
+        its ``k``/``v [B, T, H_kv, D]`` (:meth:`store_kv`); ``[B, T, Hq, D]``."""
+        if self.packed is not None:
+            return self.packed.attention(self.ops, q, k, v, scale)
+        k_all, v_all, rows = self.store_kv(layer, k, v)
+        return self.ops.attention(q, k_all, v_all, self.positions, scale, rows)
 
     def cache_write(self, layer: int) -> CacheWrite | PagedWrite | None:
         """Where :meth:`store_kv` would write this layer's K/V and what the attention reads, for a block
@@ -142,8 +154,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
         q, k = ops.rope(q, ctx.cos, ctx.sin), ops.rope(k, ctx.cos, ctx.sin)
-        k_all, v_all, rows = ctx.store_kv(self.layer, k, v)
-        out = ops.attention(q, k_all, v_all, ctx.positions, self.head_dim**-0.5, rows)
+        out = ctx.attend(self.layer, q, k, v, self.head_dim**-0.5)
         return self.o_proj(out.reshape(b, t, -1), ctx)
 
 

@@ -11,6 +11,7 @@ from rlfw.kernels import Ops, get_ops
 from rlfw.model.cache import KVCache
 from rlfw.model.config import ModelArgs
 from rlfw.model.layers import Block, ForwardContext, Linear, RMSNorm, on_meta
+from rlfw.model.packing import PackedRows
 from rlfw.model.routing import RouterTrace
 
 
@@ -128,8 +129,13 @@ class Transformer(nn.Module):
         if cache is not None and slots is None:
             slots = torch.arange(input_ids.shape[0], device=input_ids.device)
         positions = self.positions(attention_mask, cache, slots)
+        # Without a cache (training, scoring) only the distinct tokens are computed; with routing records
+        # (MoE) every position keeps its own row, as the records are laid out.
+        packed = PackedRows.of(input_ids, positions) if cache is None and routing is None else None
+        if packed is not None:
+            input_ids, positions = packed.ids, packed.positions
         cos, sin = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
-        ctx = ForwardContext(self.ops, positions, cos, sin, cache, slots, routing)
+        ctx = ForwardContext(self.ops, positions, cos, sin, cache, slots, routing, packed)
         if routing is not None:
             routing.recorded.clear()
             routing.own.clear()
@@ -139,7 +145,8 @@ class Transformer(nn.Module):
         if cache is not None:
             assert slots is not None
             cache.lengths[slots] += attention_mask.to(torch.long).sum(dim=1)
-        return self.model.norm(x, ctx), ctx
+        h = self.model.norm(x, ctx)
+        return h if packed is None else packed.unpack(h), ctx
 
     def hidden_states(
         self,

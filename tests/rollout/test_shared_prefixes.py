@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlfw.rollout.vllm.model import shared_prefixes
+from rlfw.model.packing import shared_prefixes
 
 
 def flat(*requests: list[int]) -> tuple[list[int], list[int]]:

@@ -34,6 +34,7 @@ from rlfw.kernels.block import PagedWrite
 from rlfw.model.config import ModelArgs, args_from_hf_config
 from rlfw.model.layers import Attention as RlfwAttention
 from rlfw.model.layers import Block, ForwardContext
+from rlfw.model.packing import shared_prefixes
 from rlfw.model.routing import RouterTrace
 from rlfw.model.transformer import Transformer, rope_tables
 
@@ -147,33 +148,6 @@ class SharedPrefixes:
     keep: Tensor
     rows: Tensor
     step: int
-
-
-def shared_prefixes(tokens: list[int], starts: list[int], first: list[int]) -> list[int] | None:
-    """For a step's flat batch of ``tokens`` (request ``r`` feeds ``tokens[starts[r]:starts[r + 1]]``
-    from position ``first[r]``), each token's source: the earliest token of the batch with the same
-    tokens up to and including it, from position 0. ``None`` if every token is its own source.
-
-    Only requests fed from position 0 take part (a request continuing after cached or earlier positions
-    has a prefix this step does not see). The samples of a GRPO group enter vLLM as one prompt each, so
-    their prompts (and, rescored, their common prefix) are computed once."""
-    source = list(range(len(tokens)))
-    nodes: dict[tuple[int, int], int] = {}  # (source of the previous token, token) -> source
-    copies = False
-    for r, start in enumerate(starts[:-1]):
-        if first[r] != 0:
-            continue
-        previous = -1
-        for i in range(start, starts[r + 1]):
-            key = (previous, tokens[i])
-            found = nodes.get(key)
-            if found is None:
-                nodes[key] = i
-                previous = i
-            else:
-                source[i] = previous = found
-                copies = True
-    return source if copies else None
 
 
 @dataclass
