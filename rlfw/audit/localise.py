@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from rlfw.kernels import Ops
 from rlfw.model import Transformer
+from rlfw.model.packing import PackedRows
 
 ENGINE_ATTENTION = ".attn"  # submodule name of an engine's attention layer inside a shared-model block
 Runner = Callable[[Transformer], tuple[int, int]]  # runs the model, returns (row, number of leading pads)
@@ -28,6 +29,7 @@ class _Recorder:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.packed: PackedRows | None = None  # the current forward's layout, when it computes fewer rows
         self.stack: list[str] = ["model"]
         self.calls: dict[str, int] = defaultdict(int)
         self.records: dict[str, list[Tensor]] = defaultdict(list)
@@ -55,6 +57,9 @@ class _Recorder:
         return recorded
 
     def record(self, name: str, out: Tensor) -> None:
+        packed = self.packed
+        if packed is not None and out.shape[:2] == packed.ids.shape != packed.q_pos.shape:
+            out = packed.unpack(out)  # a packed forward's op, one row per computed token: per batch entry
         key = f"{name}#{self.calls[name]}"
         self.calls[name] += 1
         if key not in self.records:
@@ -84,6 +89,18 @@ def recording(model: Transformer) -> Iterator[_Recorder]:
                 rec.record(f"{parent}:attention", out.view(1, out.shape[0], -1, model.args.head_dim))
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def layout(_m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """The layout the forward about to run computes in: for the shared model's own cache-less forward
+        over ``[B, T]`` (with a cache every batch entry is computed, and finding its positions would
+        reserve cache rows; an engine's model inside vLLM takes a flat batch)."""
+        rec.packed = None
+        if kwargs.get("cache") is None and args and args[0].dim() == 2:
+            ids, mask = args[0], args[1] if len(args) > 1 else kwargs.get("attention_mask")
+            positions = model.positions(torch.ones_like(ids) if mask is None else mask, None, None)
+            rec.packed = model.packing(ids, positions, None, kwargs.get("routing"))
+
+    handles.append(model.register_forward_pre_hook(layout, with_kwargs=True))
     original = model.ops
     model.ops = cast(Ops, rec)  # records every op call, then forwards it
     try:

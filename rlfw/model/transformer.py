@@ -114,6 +114,15 @@ class Transformer(nn.Module):
             cache.reserve(int(pos.max().item()) + 1 if mask.any() else 0)
         return pos.masked_fill(mask == 0, -1)
 
+    @staticmethod
+    def packing(
+        input_ids: Tensor, positions: Tensor, cache: KVCache | None, routing: RouterTrace | None
+    ) -> PackedRows | None:
+        """The tokens a forward computes, where it does not compute every batch entry: without a cache
+        (training, scoring) each distinct token once (:class:`~rlfw.model.packing.PackedRows`), except
+        with routing records (MoE), which are laid out per batch entry."""
+        return PackedRows.of(input_ids, positions) if cache is None and routing is None else None
+
     def _run(
         self,
         input_ids: Tensor,
@@ -123,15 +132,14 @@ class Transformer(nn.Module):
         slots: Tensor | None = None,
         routing: RouterTrace | None = None,
     ) -> tuple[Tensor, ForwardContext]:
-        """Final-norm hidden states ``[B, T, hidden]`` and the call's context."""
+        """Final-norm hidden states and the call's context: ``[B, T, hidden]``, or ``[1, N, hidden]`` for
+        the ``N`` tokens computed when the context is packed (``ctx.packed.unpack`` lays them out)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if cache is not None and slots is None:
             slots = torch.arange(input_ids.shape[0], device=input_ids.device)
         positions = self.positions(attention_mask, cache, slots)
-        # Without a cache (training, scoring) only the distinct tokens are computed; with routing records
-        # (MoE) every position keeps its own row, as the records are laid out.
-        packed = PackedRows.of(input_ids, positions) if cache is None and routing is None else None
+        packed = self.packing(input_ids, positions, cache, routing)
         if packed is not None:
             input_ids, positions = packed.ids, packed.positions
         cos, sin = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
@@ -145,8 +153,7 @@ class Transformer(nn.Module):
         if cache is not None:
             assert slots is not None
             cache.lengths[slots] += attention_mask.to(torch.long).sum(dim=1)
-        h = self.model.norm(x, ctx)
-        return h if packed is None else packed.unpack(h), ctx
+        return self.model.norm(x, ctx), ctx
 
     def hidden_states(
         self,
@@ -158,7 +165,8 @@ class Transformer(nn.Module):
         routing: RouterTrace | None = None,
     ) -> Tensor:
         """Final-norm hidden states ``[B, T, hidden]``; see :meth:`forward` for the arguments."""
-        return self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)[0]
+        h, ctx = self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
+        return h if ctx.packed is None else ctx.packed.unpack(h)
 
     def forward(
         self,
@@ -177,13 +185,17 @@ class Transformer(nn.Module):
         ``routing``: record the MoE expert ids, or replay given ones (R3). ``with_values``: also return
         the value head's estimate at every position (needs :meth:`attach_value_head`).
         """
+        if with_values and self.value_head is None:
+            raise ValueError("with_values=True needs a value head: call attach_value_head() (algo=ppo does)")
         h, ctx = self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
+        # The heads run on the computed tokens; the gather to [B, T] then frees their packed output, so the
+        # peak is that of the unpacked logits and their log-softmax, as without packing.
+        unpack = (lambda t: t) if ctx.packed is None else ctx.packed.unpack
         if self.lm_head is None:  # tied: the embedding matrix is the head
-            logits = self.ops.linear(h, self.model.embed_tokens.weight)
+            logits = unpack(self.ops.linear(h, self.model.embed_tokens.weight))
         else:
-            logits = self.lm_head(h, ctx)
+            logits = unpack(self.lm_head(h, ctx))
         if not with_values:
             return logits
-        if self.value_head is None:
-            raise ValueError("with_values=True needs a value head: call attach_value_head() (algo=ppo does)")
-        return logits, self.value_head(h, ctx).squeeze(-1).float()
+        assert self.value_head is not None
+        return logits, unpack(self.value_head(h, ctx)).squeeze(-1).float()

@@ -78,6 +78,29 @@ def test_a_non_invariant_op_under_a_bitwise_claim_fails_and_is_localised(
     assert report["localise"]["score~decode"]["op"] == "model.layers.0.self_attn.q_proj:linear#0"
 
 
+def test_a_mismatch_inside_a_packed_batch_is_localised_to_its_op_and_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batched mode's forward computes its distinct tokens only (``[1, N]`` rows, padding left out);
+    the localiser still compares the target's own tokens, op by op."""
+    from rlfw.audit import localise as loc
+    from rlfw.model import build_preset
+
+    model = build_preset("tiny_dense", seed=1, kernels="invariant")
+    seq = torch.randint(4, 96, (9,), generator=torch.Generator().manual_seed(0))
+    honest = InvariantOps.linear
+
+    def sneaky(self: InvariantOps, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = honest(self, x, weight)
+        return out + 1e-3 if x.dim() == 3 and x.shape[1] > seq.shape[0] + 3 else out  # only packed calls
+
+    monkeypatch.setattr(InvariantOps, "linear", sneaky)
+    assert loc.localise(model, seq, "score", "decode") is None
+    found = loc.localise(model, seq, "score", "batched")
+    assert found is not None and found["op"] == "model.layers.0.self_attn.q_proj:linear#0"
+    assert 0 <= found["first_token"] < seq.shape[0]
+
+
 # Shapes that broke invariance or the audit before: hidden 70 (not a multiple of 4) with 8 experts (an MoE
 # router of width 8 over an inner size of 70), K/V projections 2 * 4 = 8 wide (head_dim 4, GQA 3:1), odd
 # vocabulary.
