@@ -56,10 +56,10 @@ class PackedRows:
 
     ``ids``/``positions [1, N]``: the computed tokens, row-major. ``fed_rows``/``fed_cols [N]``: each one's
     place in the batch, and ``q_pos [B, T]`` the position of the tokens computed there (``-1`` elsewhere:
-    padding, and tokens another row computes). ``kv_rows``/``kv_pos``/``kv_src [V]``: for every token of the
-    batch, its row, its position and the computed token that holds its keys and values. ``at [B, T]``: the
-    computed token each batch entry reads its output from (padding: its row's first token, so that no
-    entry of a row depends on the other rows).
+    padding, and tokens another row computes). ``kv_rows``/``kv_pos``/``kv_src [M]``: for each of the
+    batch's ``M`` tokens, its row, its position and the computed token that holds its keys and values.
+    ``at [B, T]``: the computed token each batch entry reads its output from (padding: its row's first
+    token, so that no entry of a row depends on the other rows).
     """
 
     ids: Tensor
