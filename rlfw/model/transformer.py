@@ -188,8 +188,8 @@ class Transformer(nn.Module):
         if with_values and self.value_head is None:
             raise ValueError("with_values=True needs a value head: call attach_value_head() (algo=ppo does)")
         h, ctx = self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
-        # The heads run on the computed tokens; the gather to [B, T] then frees their packed output, so the
-        # peak is that of the unpacked logits and their log-softmax, as without packing.
+        # The heads run on the computed tokens; nothing keeps their packed output after the gather to
+        # [B, T], so the peak stays that of the unpacked logits and their log-softmax.
         unpack = (lambda t: t) if ctx.packed is None else ctx.packed.unpack
         if self.lm_head is None:  # tied: the embedding matrix is the head
             logits = unpack(self.ops.linear(h, self.model.embed_tokens.weight))
