@@ -75,6 +75,10 @@ class ForwardContext:
         self.cache.v[layer][dest, pos] = v[rows, cols]
         return self.cache.k[layer], self.cache.v[layer], self._slots
 
+    def unpacked(self, x: Tensor) -> Tensor:
+        """``x`` per batch entry ``[B, T, ...]``: laid out from the computed tokens when packed."""
+        return x if self.packed is None else self.packed.unpack(x)
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Causal attention of this step's ``q [B, T, Hq, D]`` over the sequence so far, after storing
         its ``k``/``v [B, T, H_kv, D]`` (:meth:`store_kv`); ``[B, T, Hq, D]``."""

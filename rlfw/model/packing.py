@@ -50,6 +50,14 @@ def shared_prefixes(tokens: list[int], starts: list[int], first: list[int]) -> l
     return source if copies else None
 
 
+def computed_rows(source: list[int], device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """From :func:`shared_prefixes`' sources: ``computed [n]``, whether each token is its own source (the
+    tokens a forward computes), and ``index [n]``, the row of each token's source among the computed."""
+    src = torch.tensor(source, device=device)
+    computed = src == torch.arange(len(source), device=device)
+    return computed, (computed.cumsum(0) - 1)[src]
+
+
 @dataclass(eq=False)
 class PackedRows:
     """The ``N`` tokens a cache-less forward over ``[B, T]`` computes, and where each batch entry reads.
@@ -88,10 +96,7 @@ class PackedRows:
         source = shared_prefixes(input_ids[rows, cols].tolist(), starts.tolist(), [0] * len(counts))
         if source is None and n == valid.numel():
             return None
-        dev = input_ids.device
-        src = torch.arange(n, device=dev) if source is None else torch.tensor(source, device=dev)
-        computed = src == torch.arange(n, device=dev)
-        index = (computed.cumsum(0) - 1)[src]  # each valid token's computed token
+        computed, index = computed_rows(list(range(n)) if source is None else source, input_ids.device)
         fed_rows, fed_cols = rows[computed], cols[computed]
         pos = positions[rows, cols]
         # Padding reads its row's first token: every entry of a row then depends on that row alone.

@@ -133,7 +133,7 @@ class Transformer(nn.Module):
         routing: RouterTrace | None = None,
     ) -> tuple[Tensor, ForwardContext]:
         """Final-norm hidden states and the call's context: ``[B, T, hidden]``, or ``[1, N, hidden]`` for
-        the ``N`` tokens computed when the context is packed (``ctx.packed.unpack`` lays them out)."""
+        the ``N`` tokens computed when the context is packed (``ctx.unpacked`` lays them out)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if cache is not None and slots is None:
@@ -166,7 +166,7 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Final-norm hidden states ``[B, T, hidden]``; see :meth:`forward` for the arguments."""
         h, ctx = self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
-        return h if ctx.packed is None else ctx.packed.unpack(h)
+        return ctx.unpacked(h)
 
     def forward(
         self,
@@ -190,12 +190,11 @@ class Transformer(nn.Module):
         h, ctx = self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
         # The heads run on the computed tokens; nothing keeps their packed output after the gather to
         # [B, T], so the peak stays that of the unpacked logits and their log-softmax.
-        unpack = (lambda t: t) if ctx.packed is None else ctx.packed.unpack
         if self.lm_head is None:  # tied: the embedding matrix is the head
-            logits = unpack(self.ops.linear(h, self.model.embed_tokens.weight))
+            logits = ctx.unpacked(self.ops.linear(h, self.model.embed_tokens.weight))
         else:
-            logits = unpack(self.lm_head(h, ctx))
+            logits = ctx.unpacked(self.lm_head(h, ctx))
         if not with_values:
             return logits
         assert self.value_head is not None
-        return logits, unpack(self.value_head(h, ctx)).squeeze(-1).float()
+        return logits, ctx.unpacked(self.value_head(h, ctx)).squeeze(-1).float()

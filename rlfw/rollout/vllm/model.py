@@ -34,7 +34,7 @@ from rlfw.kernels.block import PagedWrite
 from rlfw.model.config import ModelArgs, args_from_hf_config
 from rlfw.model.layers import Attention as RlfwAttention
 from rlfw.model.layers import Block, ForwardContext
-from rlfw.model.packing import shared_prefixes
+from rlfw.model.packing import computed_rows, shared_prefixes
 from rlfw.model.routing import RouterTrace
 from rlfw.model.transformer import Transformer, rope_tables
 
@@ -184,10 +184,8 @@ class PagedContext(ForwardContext):
         source = shared_prefixes(input_ids.tolist(), starts.tolist(), first.tolist())
         if source is None:
             return None
-        src = torch.tensor(source)
-        kept = src == torch.arange(n)
+        kept, rows = computed_rows(source)
         keep = kept.nonzero()[:, 0]
-        rows = (kept.cumsum(0) - 1)[src]
         plan = SharedPrefixes(keep, rows, id(metadata))
         pos, cos, sin = self.positions[:, keep], self.cos[:, keep], self.sin[:, keep]
         return replace(self, positions=pos, cos=cos, sin=sin, steps={}, shared=plan)
