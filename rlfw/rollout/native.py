@@ -306,11 +306,15 @@ class NativeEngine:
         are kept, as a prefix cache keeps them, and the forward covers the last prompt token and the
         response; otherwise the whole row is prefilled again. Under ``kernels=invariant`` both give the
         same bits (a query reduces over the same positions in the same order whichever forward wrote
-        them)."""
+        them). The response's last token is fed only by MoE models, for its routing record: its logits
+        would predict a token past the sequence."""
         starts = [self._reusable_prompt(seq) for seq in done]
         for seq, start in zip(done, starts, strict=True):
             self.cache.lengths[seq.slot] = start
-        rows = [s.tokens[start:] for s, start in zip(done, starts, strict=True)]
+        # The last response token predicts nothing; an MoE model still feeds it for its routing record.
+        end = 0 if self.model.args.is_moe else -1
+        tokens = [s.tokens for s in done]
+        rows = [t[start : len(t) + end] for t, start in zip(tokens, starts, strict=True)]
         self._count(rows, "score_tokens")
         samples = []
         for group in score_groups([row.shape[0] for row in rows], SCORE_ROWS):
@@ -318,11 +322,11 @@ class NativeEngine:
                 self.model, [rows[i] for i in group], self.cache, [done[i].slot for i in group]
             )
             for j, i in enumerate(group):
-                seq, row = done[i], rows[i]
-                p, n = seq.prompt_P.shape[0] - starts[i], row.shape[0]
+                seq, n = done[i], rows[i].shape[0]
+                p = seq.prompt_P.shape[0]
                 streams = self.records.take(seq.slot, len(seq.response))
                 prefill, head = response_logp(
-                    self.model, hidden[j, :n], p, row[p:], self.transforms, streams.topk_ids
+                    self.model, hidden[j, :n], p - starts[i], tokens[i][p:], self.transforms, streams.topk_ids
                 )
                 last = None if routing is None else routing[j, n - 1 : n]
                 samples.append(seq.to_sample(streams, prefill, head, last, self._version))

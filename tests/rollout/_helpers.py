@@ -92,3 +92,11 @@ def trainer_logp(m: Transformer, samples: list[Sample], transforms: Transforms) 
         processed = process_logits(logits[i, p - 1 : p - 1 + n], transforms)
         out.append(m.ops.token_logp(processed, s.response_T))
     return out
+
+
+def score_tokens(m: Transformer, samples: list[Sample], whole_prompt: bool = False) -> int:
+    """The tokens the prefill stream feeds for ``samples``: the last prompt token (the whole prompt with
+    ``whole_prompt``) and the response, less the response's last token, which only an MoE model feeds
+    (for its routing record)."""
+    last = 0 if m.args.is_moe else 1
+    return sum((s.prompt_P.numel() if whole_prompt else 1) + s.response_T.numel() - last for s in samples)

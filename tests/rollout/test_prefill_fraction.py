@@ -22,7 +22,7 @@ from rlfw.train.setup import check_prefill_fraction
 from rlfw.trainer.step import StepSpec, train_step
 from rlfw.types import SampleBatch
 from rlfw.validation import ConfigError
-from tests.rollout._helpers import model, request, same_bits
+from tests.rollout._helpers import model, request, same_bits, score_tokens
 from tests.trainer.test_step import PlainBackend
 
 
@@ -52,7 +52,7 @@ def test_skipped_sequences_are_marked_and_every_other_stream_is_unchanged() -> N
             assert same_bits(a.prefill_logp, b.prefill_logp)
         else:
             assert torch.isnan(b.prefill_logp).all()
-    scored = sum(1 + s.response_T.numel() for s, k in zip(half, chosen, strict=True) if k)
+    scored = score_tokens(engine.model, [s for s, k in zip(half, chosen, strict=True) if k])
     assert engine.counts.score_tokens == scored  # the skipped sequences cost no forward
     back = SampleBatch.pack(half).unpack()
     assert [s.prefilled for s in back] == [s.prefilled for s in half]

@@ -14,7 +14,7 @@ import torch
 from rlfw.model import build_preset
 from rlfw.model.distribution import Transforms, process_logits
 from rlfw.rollout import native
-from tests.rollout._helpers import PRESETS, engine, model, request, same_bits, trainer_logp
+from tests.rollout._helpers import PRESETS, engine, model, request, same_bits, score_tokens, trainer_logp
 
 MIXED_LENGTHS = [1, 7, 3, 12, 5]  # length 1: a prompt with nothing to prefill
 
@@ -74,7 +74,7 @@ def test_prefill_stream_equals_the_no_cache_path() -> None:
         (alone,) = trainer_logp(m, [s], Transforms())
         assert same_bits(s.prefill_logp, alone)
     # the prompt rows were kept: the forward covered the last prompt token and the response
-    assert eng.counts.score_tokens == sum(1 + s.response_T.numel() for s in samples)
+    assert eng.counts.score_tokens == score_tokens(m, samples)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -87,7 +87,7 @@ def test_prefill_stream_scored_in_groups_keeps_its_bits(preset: str, monkeypatch
     monkeypatch.setattr(native, "SCORE_ROWS", 20)  # 1-2 sequences per forward here
     eng = engine(model(preset), max_slots=12)
     grouped = eng.generate(reqs)
-    assert eng.counts.score_tokens == sum(1 + s.response_T.numel() for s in grouped)
+    assert eng.counts.score_tokens == score_tokens(eng.model, grouped)
     for a, b in zip(whole, grouped, strict=True):
         assert same_bits(a.prefill_logp, b.prefill_logp)
         assert same_bits(a.prefill_topk_logp, b.prefill_topk_logp)

@@ -9,7 +9,16 @@ from rlfw.model.distribution import Transforms
 from rlfw.rollout.engine import ContractMismatchError
 from rlfw.rollout.native import NativeEngine
 from rlfw.types import Sample, WeightUpdate
-from tests.rollout._helpers import PRESETS, bits, engine, model, request, same_bits, trainer_logp
+from tests.rollout._helpers import (
+    PRESETS,
+    bits,
+    engine,
+    model,
+    request,
+    same_bits,
+    score_tokens,
+    trainer_logp,
+)
 
 UPDATE_AFTER = 3  # steps; every response has 3 tokens drawn at version 0, the rest at version 1
 
@@ -42,7 +51,7 @@ def test_in_flight_keep_continues_on_stale_kv(preset: str) -> None:
     q = trainer_logp(eng.model, samples, Transforms())
     assert all(same_bits(s.prefill_logp, qi) for s, qi in zip(samples, q, strict=True))
     # the prompt rows are stale (version 0): the prefill stream prefilled every row again at version 1
-    assert eng.counts.score_tokens == sum(s.prompt_P.numel() + s.response_T.numel() for s in samples)
+    assert eng.counts.score_tokens == score_tokens(eng.model, samples, whole_prompt=True)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -57,7 +66,7 @@ def test_in_flight_recompute_makes_the_decode_factor_exactly_zero(preset: str) -
         assert torch.equal(bits(s.sampler_logp), bits(s.decode_logp))
         assert (s.prefill_logp[~post] != s.decode_logp[~post]).all(), "pre-update tokens show the lag"
     # recompute re-prefilled the prompt rows at version 1, so the prefill stream kept them
-    assert eng.counts.score_tokens == sum(1 + s.response_T.numel() for s in samples)
+    assert eng.counts.score_tokens == score_tokens(eng.model, samples)
 
 
 def test_sequences_admitted_after_an_update_start_on_fresh_weights() -> None:
