@@ -11,7 +11,10 @@ computed it, so every query still reduces over its own sequence.
 Under batch-invariant kernels this is exact: a row's bits do not depend on which other rows the call
 computes, and the attention reduces each query over the same positions in the same order whichever layout
 it came from. Gradients are the same sums in another order (a shared token's gradient gathers every row
-that reads it).
+that reads it). That gather is autograd's backward of the indexing below, an accumulating ``index_put_``:
+serial on the CPU, and on CUDA PyTorch's sort-based accumulation (its path for every accumulating
+``index_put_`` there), which adds a token's readers in a fixed order, so gradients repeat bit for bit
+(``tests/gpu`` checks it on a device).
 """
 
 from __future__ import annotations

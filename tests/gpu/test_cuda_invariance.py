@@ -108,3 +108,33 @@ def test_triton_attention_backward_matches_the_torch_closed_form(dtype: torch.dt
     for name, a, b in zip(("dq", "dk", "dv"), ours, want, strict=True):
         assert a.dtype == dtype
         torch.testing.assert_close(a.float(), b, atol=tol, rtol=tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_packed_batch_keeps_each_rows_bits_and_its_gradient_repeats(dtype: torch.dtype) -> None:
+    """The trainer's cache-less forward feeds a group's shared prompt once and leaves padding out
+    (``rlfw.model.packing``). On the device each row keeps the bits it has alone, and the gradient, whose
+    shared tokens gather every reading row through an accumulating ``index_put_``, repeats bit for bit."""
+    model = build_preset("tiny_dense", dtype=dtype, seed=1, kernels="invariant").cuda().train()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(4, 96, (9,), generator=g)
+    rows = [torch.cat((prompt, torch.randint(4, 96, (n,), generator=g))) for n in (6, 11, 3, 8)]
+    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def grads() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        model(ids, mask).float().log_softmax(-1)[mask.bool()].sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    with torch.no_grad():
+        out = model(ids, mask)
+        for i, r in enumerate(rows):
+            assert _same(out[i, : len(r)], model(r[None].cuda())[0])
+    first, second = grads(), grads()
+    assert first.keys() == second.keys() and first
+    for name, grad in first.items():
+        assert _same(grad, second[name]), name
