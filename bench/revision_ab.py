@@ -15,6 +15,10 @@ and then ``--calls`` timed ones, one thread:
 * ``train-step``: the GRPO step of ``bench/train_step_backward.py`` (the same batch and settings as
   ``bench/grpo_vs_trl.py``, one lent thread); the process reports its median seconds per step.
 
+Each process also reports its peak resident memory over the timed calls (Linux: the high-water mark is
+reset after the untimed call through ``/proc/self/clear_refs``, so the model's set-up and, for the train
+step, the engine that generated its batch are not counted).
+
 Prints each side's per-process figures and the median of the paired ratios (this checkout's speed over
 the other's: above 1 is faster here), then one JSON line.
 """
@@ -50,6 +54,19 @@ def other_revision(rev: str, folder: Path) -> Iterator[Path]:
         subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, check=False)
 
 
+def reset_peak_rss() -> None:
+    """Start the process's peak resident memory (``VmHWM``) again from its current resident size."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory since the last :func:`reset_peak_rss`, MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def child_generate(calls: int, prefill_fraction: float) -> float:
     """Median tokens/s of ``calls`` timed ``generate`` calls after one untimed call."""
     from rollout_vs_peers import bench_prompts, write_checkpoint
@@ -64,6 +81,7 @@ def child_generate(calls: int, prefill_fraction: float) -> float:
         model = from_pretrained(folder, kernels="invariant")
         engine = NativeEngine(model, max_slots=64, max_model_len=128, prefill_fraction=prefill_fraction)
         engine.generate(request)
+        reset_peak_rss()
         rates = []
         for _ in range(calls):
             t0 = time.perf_counter()
@@ -82,6 +100,7 @@ def child_train_step(calls: int) -> float:
         step = setup(Path(folder) / "model")
         threads.set_lender(lambda: 1)
         step()
+        reset_peak_rss()
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()
@@ -90,15 +109,16 @@ def child_train_step(calls: int) -> float:
     return statistics.median(times)
 
 
-def run_side(code_root: Path, a: argparse.Namespace) -> float:
-    """One process of one side: its figure (tokens/s or seconds per step)."""
+def run_side(code_root: Path, a: argparse.Namespace) -> tuple[float, float]:
+    """One process of one side: its figure (tokens/s or seconds per step) and peak resident MiB."""
     env = os.environ | {"PYTHONPATH": str(code_root), "OMP_NUM_THREADS": "1"}
     args = [sys.executable, __file__, "--child", a.what, "--calls", str(a.calls)]
     args += ["--prefill-fraction", str(a.prefill_fraction)]
     out = subprocess.run(args, cwd=code_root, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"{code_root}: the {a.what} process exited {out.returncode}:\n{out.stderr[-3000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+    figure, peak = out.stdout.strip().splitlines()[-1].split()
+    return float(figure), float(peak)
 
 
 def main() -> None:
@@ -115,9 +135,10 @@ def main() -> None:
 
         torch.set_num_threads(1)
         if a.child == "generate":
-            print(child_generate(a.calls, a.prefill_fraction))
+            figure = child_generate(a.calls, a.prefill_fraction)
         else:
-            print(child_train_step(a.calls))
+            figure = child_train_step(a.calls)
+        print(figure, peak_rss_mb())
         return
     if not a.rev:
         p.error("--rev is required")
@@ -125,18 +146,23 @@ def main() -> None:
     with tmp, other_revision(a.rev, Path(tmp.name)) as other:
         sides = {"this": ROOT, a.rev: other}
         figures: dict[str, list[float]] = {name: [] for name in sides}
+        peaks: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(a.reps):
             for name, code in sides.items():
-                figures[name].append(run_side(code, a))
+                figure, peak = run_side(code, a)
+                figures[name].append(figure)
+                peaks[name].append(peak)
     faster = (lambda x, y: x / y) if a.what == "generate" else (lambda x, y: y / x)
     ratios = [faster(x, y) for x, y in zip(figures["this"], figures[a.rev], strict=True)]
     unit = "tok/s" if a.what == "generate" else "s/step"
     for name, f in figures.items():
         print(f"{name:>10}: median {statistics.median(f):8.2f} {unit}  ({', '.join(f'{x:.2f}' for x in f)})")
     print(f"this over {a.rev} (speed): median of paired ratios {statistics.median(ratios):.3f}")
+    for name, f in peaks.items():
+        print(f"{name:>10}: peak resident memory over the timed calls, median {statistics.median(f):.0f} MiB")
     record = {"machine": machine.describe(), "rev": a.rev, "what": a.what, "calls": a.calls}
     record |= {"prefill_fraction": a.prefill_fraction} if a.what == "generate" else {}
-    print(json.dumps(record | {unit: figures, "speed_ratios": ratios}))
+    print(json.dumps(record | {unit: figures, "speed_ratios": ratios, "peak_rss_mb": peaks}))
 
 
 if __name__ == "__main__":
