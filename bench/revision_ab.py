@@ -55,16 +55,9 @@ def other_revision(rev: str, folder: Path) -> Iterator[Path]:
 
 
 def reset_peak_rss() -> None:
-    """Start the process's peak resident memory (``VmHWM``) again from its current resident size."""
+    """Start the process's peak resident memory (``VmHWM``, which ``ru_maxrss`` reads, so
+    :func:`rlfw.distributed.cluster.peak_rss_mb` too) again from its current resident size (Linux)."""
     Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_rss_mb() -> float:
-    """The process's peak resident memory since the last :func:`reset_peak_rss`, MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def child_generate(calls: int, prefill_fraction: float) -> float:
@@ -132,6 +125,8 @@ def main() -> None:
     a = p.parse_args()
     if a.child:
         import torch
+
+        from rlfw.distributed.cluster import peak_rss_mb
 
         torch.set_num_threads(1)
         if a.child == "generate":

@@ -14,6 +14,7 @@ import torch
 from rlfw.kernels.invariant import InvariantOps
 from rlfw.kernels.triton_config import MM_SMALL_ROWS
 from rlfw.model import build_preset
+from rlfw.rollout.forward import pad_right
 from tests.model_grads import assert_grads_close, model_grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -118,12 +119,8 @@ def test_a_packed_batch_keeps_each_rows_bits_and_its_gradient_repeats(dtype: tor
     model = build_preset("tiny_dense", dtype=dtype, seed=1, kernels="invariant").cuda().train()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(4, 96, (9,), generator=g)
-    rows = [torch.cat((prompt, torch.randint(4, 96, (n,), generator=g))) for n in (6, 11, 3, 8)]
-    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)], mask[i, : len(r)] = r, 1
-    ids, mask = ids.cuda(), mask.cuda()
+    rows = [torch.cat((prompt, torch.randint(4, 96, (n,), generator=g))).cuda() for n in (6, 11, 3, 8)]
+    ids, mask = pad_right(rows)
 
     def grads() -> dict[str, torch.Tensor]:
         model.zero_grad()
@@ -133,7 +130,7 @@ def test_a_packed_batch_keeps_each_rows_bits_and_its_gradient_repeats(dtype: tor
     with torch.no_grad():
         out = model(ids, mask)
         for i, r in enumerate(rows):
-            assert _same(out[i, : len(r)], model(r[None].cuda())[0])
+            assert _same(out[i, : len(r)], model(r[None])[0])
     first, second = grads(), grads()
     assert first.keys() == second.keys() and first
     for name, grad in first.items():
