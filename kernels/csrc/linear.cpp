@@ -3,7 +3,9 @@
 // Every output element is one fma chain over k ascending, starting from +0: y = fma(x[k], w[n, k], y).
 // fma rounds once and is exactly specified, so the AVX-512 and AVX2 paths, their tails and the portable
 // loop give the same bits; blocking (rows, columns, threads) only decides which elements are computed together.
-// No padding, no K tiles, no dependence on a BLAS library's shape-specific paths.
+// A long reduction is walked in stretches of k (see kStretch): a chain's partial sum is stored in y in fp32
+// and picked up again by the next stretch, which continues the same chain, so stretches change no bit.
+// No padding, no split of a chain across threads, no dependence on a BLAS library's shape-specific paths.
 //
 // A weight that serves many calls (an engine's, between weight updates) can be packed once (pack) and
 // used by linear_packed; linear packs per call, or reads the weight in place for a few rows.
@@ -34,6 +36,24 @@ namespace {
 constexpr int64_t kPanel = 16;  // output features per packed weight panel (two 8-lane or one 16-lane vector)
 constexpr int64_t kRows = 6;    // rows per register block
 constexpr int64_t kBlockBytes = 256 * 1024;  // rows of x per cache block (see linear())
+
+// Reduction steps per stretch when k is long (a weight gradient reduces over every token of the batch; an
+// MLP's input gradient over the MLP's width). A stretch keeps six rows of x (12 KiB) in L1 and a group of
+// panel stretches in L2, as a k of 512 does whole; with the whole k, six rows of a 4,352-token gradient
+// (104 KiB) and each 278 KiB panel came from L3 for every row block (RESULTS: the weight gradient ran at
+// 23-26 GFLOP/s where the forward ran at 34-37). k up to kWholeK is walked whole.
+constexpr int64_t kStretch = 512;
+constexpr int64_t kWholeK = 768;
+
+// One stretch of the reduction: kc steps of k, from x's rows (ldx floats apart) and the same rows of each
+// panel (stride floats between panels). resume: each chain continues from the partial sum y holds (exact:
+// it was stored in fp32 by the stretch before), rather than from +0.
+struct Stretch {
+  int64_t ldx;
+  int64_t kc;
+  int64_t stride;
+  bool resume;
+};
 
 // Weight panels per L2-resident group (see group_rows()): half the core's L2, so that a group and the rows
 // passing over it stay there together; 512 KiB where the C library does not report the L2. (With a
@@ -88,20 +108,38 @@ void pack_transposed_into(const float* wt, int64_t k, int64_t n, float* out, int
 // up to 24 chains and the P weight vectors), half the loads per fma of the 8-lane block below. Each
 // element is the same fma chain as there and in the portable loop.
 template <int R, int P>
-void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols) {
+void block(const float* x, const Stretch& s, const float* panel, float* y, int64_t ldy, int64_t cols) {
   __m512 acc[R][P];
+  alignas(64) float tmp[R][P * kPanel];
+  if (s.resume) {
+    const float* from = y;
+    int64_t ld = ldy;
+    if (cols < P * kPanel) {  // partial panels: through tmp, the lanes past cols zero (never stored)
+      for (int r = 0; r < R; ++r) {
+        std::copy(y + r * ldy, y + r * ldy + cols, tmp[r]);
+        std::fill(tmp[r] + cols, tmp[r] + P * kPanel, 0.0f);
+      }
+      from = tmp[0];
+      ld = P * kPanel;
+    }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t stride = k * kPanel;  // between consecutive panels
-  for (int64_t i = 0; i < k; ++i) {
+      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_loadu_ps(from + r * ld + j * kPanel);
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  const int64_t stride = s.stride, ldx = s.ldx;
+  for (int64_t i = 0; i < s.kc; ++i) {
     __m512 w[P];
 #pragma GCC unroll 8
     for (int j = 0; j < P; ++j) w[j] = _mm512_loadu_ps(panel + j * stride + i * kPanel);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * k + i]);
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + i]);
 #pragma GCC unroll 8
       for (int j = 0; j < P; ++j) acc[r][j] = _mm512_fmadd_ps(xb, w[j], acc[r][j]);
     }
@@ -113,7 +151,6 @@ void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy,
       for (int j = 0; j < P; ++j) _mm512_storeu_ps(y + r * ldy + j * kPanel, acc[r][j]);
     return;
   }
-  alignas(64) float tmp[R][P * kPanel];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -123,13 +160,32 @@ void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy,
 #else
 // R rows x P panels (16 P output features): 2 R P accumulators, each one element's fma chain over k.
 template <int R, int P>
-void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols) {
+void block(const float* x, const Stretch& s, const float* panel, float* y, int64_t ldy, int64_t cols) {
   __m256 acc[R][2 * P];
+  alignas(32) float tmp[R][P * kPanel];
+  if (s.resume) {
+    const float* from = y;
+    int64_t ld = ldy;
+    if (cols < P * kPanel) {  // partial panels: through tmp, the lanes past cols zero (never stored)
+      for (int r = 0; r < R; ++r) {
+        std::copy(y + r * ldy, y + r * ldy + cols, tmp[r]);
+        std::fill(tmp[r] + cols, tmp[r] + P * kPanel, 0.0f);
+      }
+      from = tmp[0];
+      ld = P * kPanel;
+    }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm256_setzero_ps();
-  const int64_t stride = k * kPanel;  // between consecutive panels
+      for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm256_loadu_ps(from + r * ld + j * 8);
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm256_setzero_ps();
+  }
+  const int64_t stride = s.stride, ldx = s.ldx;
+  const int64_t k = s.kc;
   // Register budget (16 ymm): many rows load the 2P weight vectors once and broadcast x row by row; few
   // rows broadcast their x once and stream the weight vectors. Either way acc[r][j] takes one fma per i.
   for (int64_t i = 0; i < k; ++i) {
@@ -139,14 +195,14 @@ void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy,
       for (int j = 0; j < 2 * P; ++j) w[j] = _mm256_loadu_ps(panel + (j / 2) * stride + i * kPanel + (j % 2) * 8);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m256 xb = _mm256_broadcast_ss(x + r * k + i);
+        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i);
 #pragma GCC unroll 8
         for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm256_fmadd_ps(xb, w[j], acc[r][j]);
       }
     } else {
       __m256 xb[R];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * k + i);
+      for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + i);
 #pragma GCC unroll 8
       for (int j = 0; j < 2 * P; ++j) {
         const __m256 w = _mm256_loadu_ps(panel + (j / 2) * stride + i * kPanel + (j % 2) * 8);
@@ -162,7 +218,6 @@ void block(const float* x, int64_t k, const float* panel, float* y, int64_t ldy,
       for (int j = 0; j < 2 * P; ++j) _mm256_storeu_ps(y + r * ldy + j * 8, acc[r][j]);
     return;
   }
-  alignas(32) float tmp[R][P * kPanel];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -236,50 +291,51 @@ constexpr int64_t kMainPanels = 1;
   TAIL(1, 4)
 #endif
 
-// Rows of x against panels p0 .. p1-1 of the packed weight, R rows and P panels per register block (the
-// panels left over one at a time).
+// Rows of x against panels p0 .. p1-1 of the packed weight over one stretch of k (packed points at the
+// stretch's first row of panel 0), R rows and P panels per register block (the panels left over one at a
+// time).
 template <int R, int P>
-void rows_by_panels(const float* x, int64_t k, const float* packed, float* y, int64_t n, int64_t p0, int64_t p1) {
+void rows_by_panels(const float* x, const Stretch& s, const float* packed, float* y, int64_t n, int64_t p0,
+                    int64_t p1) {
   int64_t p = p0;
   for (; p + P <= p1; p += P)
-    block<R, P>(x, k, packed + p * k * kPanel, y + p * kPanel, n, std::min(P * kPanel, n - p * kPanel));
-  for (; p < p1; ++p)
-    block<R, 1>(x, k, packed + p * k * kPanel, y + p * kPanel, n, std::min(kPanel, n - p * kPanel));
+    block<R, P>(x, s, packed + p * s.stride, y + p * kPanel, n, std::min(P * kPanel, n - p * kPanel));
+  for (; p < p1; ++p) block<R, 1>(x, s, packed + p * s.stride, y + p * kPanel, n, std::min(kPanel, n - p * kPanel));
 }
 
 // Rows 0 .. m-1 against a group of panels p0 .. p1-1 that stays in L2: every row block passes over the
 // group before the next group is read, so each panel comes from memory once per call rather than once
 // per row block (an engine's weights do not stay in the last-level cache from one step to the next).
-void group_rows(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n, int64_t p0,
+void group_rows(const float* x, int64_t m, const Stretch& s, const float* packed, float* y, int64_t n, int64_t p0,
                 int64_t p1) {
   int64_t r = 0;
   for (; r + kRows <= m; r += kRows)
-    rows_by_panels<kRows, kMainPanels>(x + r * k, k, packed, y + r * n, n, p0, p1);
-  const float* xr = x + r * k;
+    rows_by_panels<kRows, kMainPanels>(x + r * s.ldx, s, packed, y + r * n, n, p0, p1);
+  const float* xr = x + r * s.ldx;
   float* yr = y + r * n;
   switch (m - r) {
 #define RLFW_TAIL(R, P) \
-  case R: rows_by_panels<R, P>(xr, k, packed, yr, n, p0, p1); break;
+  case R: rows_by_panels<R, P>(xr, s, packed, yr, n, p0, p1); break;
     RLFW_TAIL_BLOCKS(RLFW_TAIL)
 #undef RLFW_TAIL
     default: break;
   }
 }
 
-void panel_rows(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n, int64_t p0,
+void panel_rows(const float* x, int64_t m, const Stretch& s, const float* packed, float* y, int64_t n, int64_t p0,
                 int64_t p1) {
-  const int64_t fit = group_bytes() / (k * kPanel * static_cast<int64_t>(sizeof(float)));
+  const int64_t fit = group_bytes() / (s.kc * kPanel * static_cast<int64_t>(sizeof(float)));
   const int64_t group = std::max(kMainPanels, fit / kMainPanels * kMainPanels);
-  for (int64_t g0 = p0; g0 < p1; g0 += group) group_rows(x, m, k, packed, y, n, g0, std::min(p1, g0 + group));
+  for (int64_t g0 = p0; g0 < p1; g0 += group) group_rows(x, m, s, packed, y, n, g0, std::min(p1, g0 + group));
 }
 #else
-void panel_rows(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n, int64_t p0,
+void panel_rows(const float* x, int64_t m, const Stretch& s, const float* packed, float* y, int64_t n, int64_t p0,
                 int64_t p1) {
   for (int64_t r = 0; r < m; ++r)
     for (int64_t c = p0 * kPanel; c < std::min(n, p1 * kPanel); ++c) {
-      const float* panel = packed + (c / kPanel) * k * kPanel + c % kPanel;
-      float acc = 0.0f;
-      for (int64_t i = 0; i < k; ++i) acc = std::fma(x[r * k + i], panel[i * kPanel], acc);
+      const float* panel = packed + (c / kPanel) * s.stride + c % kPanel;
+      float acc = s.resume ? y[r * n + c] : 0.0f;
+      for (int64_t i = 0; i < s.kc; ++i) acc = std::fma(x[r * s.ldx + i], panel[i * kPanel], acc);
       y[r * n + c] = acc;
     }
 }
@@ -303,15 +359,20 @@ torch::Tensor run_packed(const torch::Tensor& x, const float* packed, int64_t n)
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  // Rows go in blocks that stay in cache while every panel passes over them (about 256 KiB of x), so x
-  // is read from memory once rather than once per panel. Threads take whole panels of a block; each
-  // element is still one fma chain computed by one thread, whatever the blocking.
-  const int64_t block_rows = std::max<int64_t>(kRows, (kBlockBytes / (k * 4)) / kRows * kRows);
+  const int64_t stretch = k <= kWholeK ? k : kStretch;
+  // Rows go in blocks that stay in cache while every panel passes over them (about 256 KiB of x's
+  // stretch), so x is read from memory once rather than once per panel. Threads take whole panels of a
+  // block; the stretches of a block run one after another, so each element is still one fma chain over
+  // k ascending, computed by one thread, whatever the blocking.
+  const int64_t block_rows = std::max<int64_t>(kRows, (kBlockBytes / (stretch * 4)) / kRows * kRows);
   for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
     const int64_t rows = std::min(block_rows, m - r0);
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      panel_rows(xp + r0 * k, rows, k, packed, yp + r0 * n, n, p0, p1);
-    });
+    for (int64_t k0 = 0; k0 < k; k0 += stretch) {
+      const Stretch s{k, std::min(stretch, k - k0), k * kPanel, k0 > 0};
+      at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+        panel_rows(xp + r0 * k + k0, rows, s, packed + k0 * kPanel, yp + r0 * n, n, p0, p1);
+      });
+    }
   }
   return y;
 }

@@ -130,13 +130,15 @@ def _fma_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(acc)
 
 
-@pytest.mark.parametrize("k", [1, 7, 37, 1000])  # 1000: several panel groups at n=129
+# 1000: several panel groups at n=129 and two stretches of k; 1300: three stretches, the last partial
+@pytest.mark.parametrize("k", [1, 7, 37, 1000, 1300])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_register_block_computes_the_documented_fma_chain(k: int, threads: int) -> None:
     """Every path of the compiled linear (packed panels; the weight read in place for a few rows; packed
     per call; the transposed weight) and every register block shape (rows 1-13 and 70 cover the main
-    block and each tail; widths cover whole and partial panels and groups) gives the bits of the fp32
-    fma chain itself. So the 8-lane, 16-lane and portable builds agree with each other, whichever this
+    block and each tail, 140 two row blocks; widths cover whole and partial panels and groups), with k
+    walked whole or in stretches that resume the chains stored in y, gives the bits of the fp32 fma
+    chain itself. So the 8-lane, 16-lane and portable builds agree with each other, whichever this
     machine compiled."""
     from rlfw.kernels import cpu_native
 
@@ -146,7 +148,7 @@ def test_every_register_block_computes_the_documented_fma_chain(k: int, threads:
         for n in (1, 15, 16, 17, 63, 65, 129):
             w = torch.randn(n, k, generator=g)
             packed = mod.pack(w)
-            for m in (*range(1, 14), 70):
+            for m in (*range(1, 14), 70, 140):
                 x = torch.randn(m, k, generator=g)
                 want = _fma_chain(x, w)
                 where = f"m={m} k={k} n={n}"
