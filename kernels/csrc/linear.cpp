@@ -102,6 +102,21 @@ void pack_transposed_into(const float* wt, int64_t k, int64_t n, float* out, int
   }
 }
 
+// Where a resumed register block reads its partial sums: y itself (row stride ldy) when it covers whole
+// panels; else tmp, filled with the cols floats of each row of y and zeros past them (lanes that are
+// computed and never stored). Sets ld to the row stride of what it returns.
+template <int R, int W>
+const float* resume_from(const float* y, int64_t ldy, int64_t cols, float (&tmp)[R][W], int64_t& ld) {
+  ld = ldy;
+  if (cols == W) return y;
+  for (int r = 0; r < R; ++r) {
+    std::copy(y + r * ldy, y + r * ldy + cols, tmp[r]);
+    std::fill(tmp[r] + cols, tmp[r] + W, 0.0f);
+  }
+  ld = W;
+  return tmp[0];
+}
+
 #if RLFW_AVX2
 #if RLFW_AVX512
 // The 16-lane block: one vector per panel row, R rows x P panels = R P accumulators (32 registers hold
@@ -112,16 +127,8 @@ void block(const float* x, const Stretch& s, const float* panel, float* y, int64
   __m512 acc[R][P];
   alignas(64) float tmp[R][P * kPanel];
   if (s.resume) {
-    const float* from = y;
-    int64_t ld = ldy;
-    if (cols < P * kPanel) {  // partial panels: through tmp, the lanes past cols zero (never stored)
-      for (int r = 0; r < R; ++r) {
-        std::copy(y + r * ldy, y + r * ldy + cols, tmp[r]);
-        std::fill(tmp[r] + cols, tmp[r] + P * kPanel, 0.0f);
-      }
-      from = tmp[0];
-      ld = P * kPanel;
-    }
+    int64_t ld;
+    const float* from = resume_from(y, ldy, cols, tmp, ld);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -164,16 +171,8 @@ void block(const float* x, const Stretch& s, const float* panel, float* y, int64
   __m256 acc[R][2 * P];
   alignas(32) float tmp[R][P * kPanel];
   if (s.resume) {
-    const float* from = y;
-    int64_t ld = ldy;
-    if (cols < P * kPanel) {  // partial panels: through tmp, the lanes past cols zero (never stored)
-      for (int r = 0; r < R; ++r) {
-        std::copy(y + r * ldy, y + r * ldy + cols, tmp[r]);
-        std::fill(tmp[r] + cols, tmp[r] + P * kPanel, 0.0f);
-      }
-      from = tmp[0];
-      ld = P * kPanel;
-    }
+    int64_t ld;
+    const float* from = resume_from(y, ldy, cols, tmp, ld);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
