@@ -37,13 +37,14 @@ constexpr int64_t kPanel = 16;  // output features per packed weight panel (two 
 constexpr int64_t kRows = 6;    // rows per register block
 constexpr int64_t kBlockBytes = 256 * 1024;  // rows of x per cache block (see linear())
 
-// Reduction steps per stretch when k is long (a weight gradient reduces over every token of the batch; an
-// MLP's input gradient over the MLP's width). A stretch keeps six rows of x (12 KiB) in L1 and a group of
-// panel stretches in L2, as a k of 512 does whole; with the whole k, six rows of a 4,352-token gradient
-// (104 KiB) and each 278 KiB panel came from L3 for every row block (RESULTS: the weight gradient ran at
-// 23-26 GFLOP/s where the forward ran at 34-37). k up to kWholeK is walked whole.
+// A long reduction (a weight gradient reduces over every token of the batch) is walked in the fewest
+// stretches of at most kStretch steps of k, of nearly one length (ceil(k / stretches), the last what is
+// left). A stretch keeps six rows of x in L1 and a group of panel stretches in L2. k up to kWholeK (six rows of x
+// in 30 KiB, under a 32 KiB L1) is walked whole: at 1,040 rows a weight gradient already ran at
+// 36-38 GFLOP/s whole, while at 4,160 rows six rows of the gradient (100 KiB) and each 266 KiB panel came
+// from L3 for every row block and ran at 27-30 (RESULTS).
 constexpr int64_t kStretch = 512;
-constexpr int64_t kWholeK = 768;
+constexpr int64_t kWholeK = 1280;
 
 // One stretch of the reduction: kc steps of k, from x's rows (ldx floats apart) and the same rows of each
 // panel (stride floats between panels). resume: each chain continues from the partial sum y holds (exact:
@@ -358,7 +359,8 @@ torch::Tensor run_packed(const torch::Tensor& x, const float* packed, int64_t n)
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t stretch = k <= kWholeK ? k : kStretch;
+  const int64_t stretches = k <= kWholeK ? 1 : (k + kStretch - 1) / kStretch;
+  const int64_t stretch = (k + stretches - 1) / stretches;
   // Rows go in blocks that stay in cache while every panel passes over them (about 256 KiB of x's
   // stretch), so x is read from memory once rather than once per panel. Threads take whole panels of a
   // block; the stretches of a block run one after another, so each element is still one fma chain over

@@ -130,7 +130,7 @@ def _fma_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(acc)
 
 
-# 1000: several panel groups at n=129 and two stretches of k; 1300: three stretches, the last partial
+# 1000: several panel groups at n=129, k walked whole; 1300: three stretches of k, the last shorter
 @pytest.mark.parametrize("k", [1, 7, 37, 1000, 1300])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_register_block_computes_the_documented_fma_chain(k: int, threads: int) -> None:
