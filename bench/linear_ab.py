@@ -1,13 +1,16 @@
 """The compiled CPU linear of this checkout against the one of another revision, side by side.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/linear_ab.py --rev HEAD~1 [--reps 15] [--rows 1040]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/linear_ab.py --rev HEAD~1 --engine --rows 64
 
 Builds ``kernels/csrc`` as it is at ``--rev`` into a second extension (in a temporary folder, with this
 checkout's compiler flags), then times the trainer's three products per linear of the 13M model, forward
 ``x @ W.T``, input gradient ``g @ W`` and weight gradient ``g.T @ x`` (a micro-batch of ``--rows`` rows,
 about 16 sequences of 65 tokens), each as the trainer calls it (the weight packed per call), alternating
-the two builds call by call (medians). Every product must give the same bits from both builds: a kernel
-change that moves speed may not move a bit.
+the two builds call by call (medians). ``--engine``: instead, an engine's forward against its weights
+packed once (``linear_packed``), for every weight of the 13M and 76M models (64 rows: a decode step of
+the benchmark's batch; 4,096: its prefill stream). Every product must give the same bits from both
+builds: a kernel change that moves speed may not move a bit.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from paired import alternated_medians  # noqa: E402
 from rlfw.kernels import cpu_native  # noqa: E402
 
 SHAPES = [(512, 512), (512, 1536), (1536, 512), (512, 362)]  # (K, N) of the 13M model's weights [N, K]
+ENGINE_SHAPES = [  # (K, N) of every weight of the 13M model (then the 76M one): q/k/v, o, gate/up, down, head
+    *((512, 1024), (512, 512), (512, 1536), (1536, 512), (512, 362)),
+    *((768, 1280), (768, 768), (768, 2048), (2048, 768), (768, 362)),
+]
 
 
 def build_at(rev: str, folder: Path):  # type: ignore[no-untyped-def]
@@ -67,20 +74,35 @@ def products(rows: int, k: int, n: int) -> list[tuple[str, Callable[[Any], torch
     ]
 
 
+def engine_products(rows: int, k: int, n: int) -> list[tuple[str, Callable[[Any], torch.Tensor]]]:
+    """An engine's forward for a weight [n, k] packed once per build, on ``rows`` rows."""
+    g = torch.Generator().manual_seed(k * n)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    packed: dict[int, torch.Tensor] = {}
+
+    def forward(mod: Any) -> torch.Tensor:
+        panels = packed.setdefault(id(mod), mod.pack(w))
+        return mod.linear_packed(x, panels, n)
+
+    return [("packed fwd", forward)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", required=True, help="the git revision to compare with (e.g. HEAD~1)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", type=int, default=1040)
+    ap.add_argument("--engine", action="store_true", help="an engine's packed forward, both models' weights")
     a = ap.parse_args()
+    shapes, make = (ENGINE_SHAPES, engine_products) if a.engine else (SHAPES, products)
     torch.set_num_threads(1)
     here = cpu_native.module()
     with tempfile.TemporaryDirectory() as tmp:
         there = build_at(a.rev, Path(tmp))
         print(f"{machine.describe()}; this checkout against {a.rev}, {a.rows} rows, medians of {a.reps}")
         totals = [0.0, 0.0]
-        for k, n in SHAPES:
-            for name, call in products(a.rows, k, n):
+        for k, n in shapes:
+            for name, call in make(a.rows, k, n):
                 if not torch.equal(call(here).view(torch.int32), call(there).view(torch.int32)):
                     raise SystemExit(f"{name} {k}->{n}: the two builds give different bits")
                 t_there, t_here = alternated_medians([partial(call, there), partial(call, here)], a.reps)
