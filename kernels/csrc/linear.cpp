@@ -46,14 +46,15 @@ constexpr int64_t kBlockBytes = 256 * 1024;  // rows of x per cache block (see l
 constexpr int64_t kStretch = 512;
 constexpr int64_t kWholeK = 1280;
 
-// One stretch of the reduction: kc steps of k, from x's rows (ldx floats apart) and the same rows of each
-// panel (stride floats between panels). resume: each chain continues from the partial sum y holds (exact:
+// One stretch of the reduction: kc of the k steps, from x's rows (k floats apart) and the same rows of each
+// panel (k x 16 floats between panels). resume: each chain continues from the partial sum y holds (exact:
 // it was stored in fp32 by the stretch before), rather than from +0.
 struct Stretch {
-  int64_t ldx;
+  int64_t k;
   int64_t kc;
-  int64_t stride;
   bool resume;
+  int64_t ldx() const { return k; }
+  int64_t stride() const { return k * kPanel; }
 };
 
 // Weight panels per L2-resident group (see group_rows()): half the core's L2, so that a group and the rows
@@ -140,7 +141,7 @@ void block(const float* x, const Stretch& s, const float* panel, float* y, int64
 #pragma GCC unroll 8
       for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
   }
-  const int64_t stride = s.stride, ldx = s.ldx;
+  const int64_t stride = s.stride(), ldx = s.ldx();
   for (int64_t i = 0; i < s.kc; ++i) {
     __m512 w[P];
 #pragma GCC unroll 8
@@ -184,7 +185,7 @@ void block(const float* x, const Stretch& s, const float* panel, float* y, int64
 #pragma GCC unroll 8
       for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm256_setzero_ps();
   }
-  const int64_t stride = s.stride, ldx = s.ldx;
+  const int64_t stride = s.stride(), ldx = s.ldx();
   const int64_t k = s.kc;
   // Register budget (16 ymm): many rows load the 2P weight vectors once and broadcast x row by row; few
   // rows broadcast their x once and stream the weight vectors. Either way acc[r][j] takes one fma per i.
@@ -299,8 +300,8 @@ void rows_by_panels(const float* x, const Stretch& s, const float* packed, float
                     int64_t p1) {
   int64_t p = p0;
   for (; p + P <= p1; p += P)
-    block<R, P>(x, s, packed + p * s.stride, y + p * kPanel, n, std::min(P * kPanel, n - p * kPanel));
-  for (; p < p1; ++p) block<R, 1>(x, s, packed + p * s.stride, y + p * kPanel, n, std::min(kPanel, n - p * kPanel));
+    block<R, P>(x, s, packed + p * s.stride(), y + p * kPanel, n, std::min(P * kPanel, n - p * kPanel));
+  for (; p < p1; ++p) block<R, 1>(x, s, packed + p * s.stride(), y + p * kPanel, n, std::min(kPanel, n - p * kPanel));
 }
 
 // Rows 0 .. m-1 against a group of panels p0 .. p1-1 that stays in L2: every row block passes over the
@@ -310,8 +311,8 @@ void group_rows(const float* x, int64_t m, const Stretch& s, const float* packed
                 int64_t p1) {
   int64_t r = 0;
   for (; r + kRows <= m; r += kRows)
-    rows_by_panels<kRows, kMainPanels>(x + r * s.ldx, s, packed, y + r * n, n, p0, p1);
-  const float* xr = x + r * s.ldx;
+    rows_by_panels<kRows, kMainPanels>(x + r * s.ldx(), s, packed, y + r * n, n, p0, p1);
+  const float* xr = x + r * s.ldx();
   float* yr = y + r * n;
   switch (m - r) {
 #define RLFW_TAIL(R, P) \
@@ -333,9 +334,9 @@ void panel_rows(const float* x, int64_t m, const Stretch& s, const float* packed
                 int64_t p1) {
   for (int64_t r = 0; r < m; ++r)
     for (int64_t c = p0 * kPanel; c < std::min(n, p1 * kPanel); ++c) {
-      const float* panel = packed + (c / kPanel) * s.stride + c % kPanel;
+      const float* panel = packed + (c / kPanel) * s.stride() + c % kPanel;
       float acc = s.resume ? y[r * n + c] : 0.0f;
-      for (int64_t i = 0; i < s.kc; ++i) acc = std::fma(x[r * s.ldx + i], panel[i * kPanel], acc);
+      for (int64_t i = 0; i < s.kc; ++i) acc = std::fma(x[r * s.ldx() + i], panel[i * kPanel], acc);
       y[r * n + c] = acc;
     }
 }
@@ -369,7 +370,7 @@ torch::Tensor run_packed(const torch::Tensor& x, const float* packed, int64_t n)
   for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
     const int64_t rows = std::min(block_rows, m - r0);
     for (int64_t k0 = 0; k0 < k; k0 += stretch) {
-      const Stretch s{k, std::min(stretch, k - k0), k * kPanel, k0 > 0};
+      const Stretch s{k, std::min(stretch, k - k0), k0 > 0};
       at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
         panel_rows(xp + r0 * k + k0, rows, s, packed + k0 * kPanel, yp + r0 * n, n, p0, p1);
       });
