@@ -136,13 +136,18 @@ def stable_topk(values_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def token_streams(ops: Ops, logits: NextTokenLogits, tokens_B: Tensor, k: int) -> TokenStreams:
     """Sampler and decode log-probs of the chosen tokens, the sampler's top-k, and the decode stream at
-    those ids (the sampler's own values when the sampler runs on the decode logits, fp32)."""
+    those ids. When the sampler runs on the decode logits (fp32) both streams are one computation, made
+    once: the sampler's values are the decode stream's."""
     topk_ids, topk_logp = sampler_topk(ops, logits.sampler, k)
-    same = logits.decode is logits.sampler
-    decode_head = topk_logp if same else ops.log_softmax(logits.decode).gather(-1, topk_ids)
+    sampler_logp = ops.token_logp(logits.sampler, tokens_B)
+    if logits.decode is logits.sampler:
+        decode_logp, decode_head = sampler_logp, topk_logp
+    else:
+        decode_logp = ops.token_logp(logits.decode, tokens_B)
+        decode_head = ops.log_softmax(logits.decode).gather(-1, topk_ids)
     return TokenStreams(
-        sampler_logp=ops.token_logp(logits.sampler, tokens_B),
-        decode_logp=ops.token_logp(logits.decode, tokens_B),
+        sampler_logp=sampler_logp,
+        decode_logp=decode_logp,
         topk_ids=topk_ids,
         topk_logp=topk_logp,
         decode_topk_logp=decode_head,
