@@ -99,7 +99,11 @@ class PackedRows:
         source = shared_prefixes(input_ids[rows, cols].tolist(), starts.tolist(), [0] * len(counts))
         if source is None and n == valid.numel():
             return None
-        computed, index = computed_rows(list(range(n)) if source is None else source, input_ids.device)
+        if source is None:  # padding only: every valid token is computed, in place
+            computed = torch.ones(n, dtype=torch.bool, device=input_ids.device)
+            index = torch.arange(n, device=input_ids.device)
+        else:
+            computed, index = computed_rows(source, input_ids.device)
         fed_rows, fed_cols = rows[computed], cols[computed]
         pos = positions[rows, cols]
         # Padding reads its row's first token: every entry of a row then depends on that row alone.

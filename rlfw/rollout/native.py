@@ -311,7 +311,6 @@ class NativeEngine:
         starts = [self._reusable_prompt(seq) for seq in done]
         for seq, start in zip(done, starts, strict=True):
             self.cache.lengths[seq.slot] = start
-        # The last response token predicts nothing; an MoE model still feeds it for its routing record.
         end = 0 if self.model.args.is_moe else -1
         tokens = [s.tokens for s in done]
         rows = [t[start : len(t) + end] for t, start in zip(tokens, starts, strict=True)]
