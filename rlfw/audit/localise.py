@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from rlfw.kernels import Ops
-from rlfw.model import Transformer
+from rlfw.model import KVCache, RouterTrace, Transformer
 from rlfw.model.packing import PackedRows
 
 ENGINE_ATTENTION = ".attn"  # submodule name of an engine's attention layer inside a shared-model block
@@ -90,23 +90,26 @@ def recording(model: Transformer) -> Iterator[_Recorder]:
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
-    def layout(_m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        """The layout the forward about to run computes in: for the shared model's own cache-less forward
-        over ``[B, T]`` (with a cache every batch entry is computed, and finding its positions would
-        reserve cache rows; an engine's model inside vLLM takes a flat batch)."""
-        rec.packed = None
-        if kwargs.get("cache") is None and args and args[0].dim() == 2:
-            ids, mask = args[0], args[1] if len(args) > 1 else kwargs.get("attention_mask")
-            positions = model.positions(torch.ones_like(ids) if mask is None else mask, None, None)
-            rec.packed = model.packing(ids, positions, None, kwargs.get("routing"))
+    def new_forward(_m: nn.Module, _a: Any) -> None:
+        rec.packed = None  # until the forward says how it lays out its rows (an engine's never does)
 
-    handles.append(model.register_forward_pre_hook(layout, with_kwargs=True))
+    def packing(
+        input_ids: Tensor, positions: Tensor, cache: KVCache | None, routing: RouterTrace | None
+    ) -> PackedRows | None:
+        """The layout the model's own forward computes in, as it works it out (``None``: every batch
+        entry is computed, as with a cache)."""
+        rec.packed = Transformer.packing(input_ids, positions, cache, routing)
+        return rec.packed
+
+    handles.append(model.register_forward_pre_hook(new_forward))
     original = model.ops
     model.ops = cast(Ops, rec)  # records every op call, then forwards it
+    model.packing = packing  # type: ignore[method-assign]
     try:
         yield rec
     finally:
         model.ops = original
+        del model.packing
         for h in handles:
             h.remove()
 
