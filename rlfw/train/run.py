@@ -12,10 +12,8 @@ import shlex
 import shutil
 import signal
 import sys
-import threading
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import ray
 
@@ -31,6 +29,7 @@ from rlfw.train.checkpoint import CheckpointFailed, EngineWeights, checkpoint_fo
 from rlfw.train.phases import Driver, StalledRun
 from rlfw.train.setup import CONTRACT_FILE, build_setup, optim_config, settle_environment, step_spec
 from rlfw.train.state import STATE_FILE, RunState, make_run_dir, read_state
+from rlfw.train.stopping import Terminated, handle_stop_signals
 from rlfw.train.sync_loop import sync_steps
 from rlfw.trainer.deepspeed_backend import saved_zero_stage
 
@@ -101,7 +100,7 @@ def train(run: RunConfig) -> int:
     )
     driver = Driver(run, setup, rollout, trainer, weights, logger, run_dir, state)
     code = 0
-    previous = _handle_stop_signals()
+    previous = handle_stop_signals()
     try:
         if run.sync.mode == "async":
             async_steps(driver)
@@ -182,24 +181,3 @@ def resume_command(run_dir: Path) -> str:
     keep = [a for a in args if not a.startswith(("resume=", "logger.run_name=", "logger.run_root="))]
     where = [f"logger.run_root={run_dir.parent}", f"logger.run_name={run_dir.name}", "resume=true"]
     return shlex.join(["rlfw", "train", *keep, *where])
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what SLURM, Kubernetes and ``kill`` send), handled like Ctrl-C: checkpoint, then exit 143."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated
-
-
-def _handle_stop_signals() -> dict[int, Any]:
-    """Route SIGTERM to :class:`Terminated` (over Ray's handler, which aborts) and SIGINT to
-    ``KeyboardInterrupt`` even when the run was started with SIGINT ignored (a background job of a
-    non-interactive shell inherits that), so ``kill -INT`` always checkpoints. Returns the handlers it
-    replaced; nothing off the main thread, where Python cannot install handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {
-        signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated),
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
-    }

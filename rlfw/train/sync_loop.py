@@ -10,6 +10,7 @@ from rlfw.train.evaluate import eval_due, evaluate
 from rlfw.train.phases import Driver, step_prompts, train_on
 from rlfw.train.report import StepTimes, step_report
 from rlfw.train.state import RunState
+from rlfw.train.stopping import stop_deferred
 
 log = logging.getLogger("rlfw.train")
 
@@ -24,24 +25,26 @@ def sync_steps(d: Driver) -> None:
         problems, request = step_prompts(d, step)
         samples = d.rollout.generate(request)  # generate with version v
         t1 = time.perf_counter()
-        trained = train_on(d, step, problems, samples, state.version)  # score, train
-        if trained is None:
-            continue
-        t3 = time.perf_counter()
-        d.weights.publish(state.version + 1)  # publish v + 1
-        t4 = time.perf_counter()
-        times = StepTimes(t1 - t0, trained.reward_s, trained.train_s, t4 - t3, t4 - t0)
-        metrics = step_report(trained, run.correction, state.version, state.resyncs + 1, times)
-        d.state = RunState(step, state.version + 1, state.tag, state.resyncs + 1)
-        d.weights.keep_only(d.state)
-        metrics |= d.memory()
-        metrics |= {
-            "sync/engine_restarts": float(d.rollout.restarts),
-            "sync/engine_version": float(max(s.final_version for s in samples)),  # as the engines recorded it
-        }
-        if eval_due(run.eval.every, run.trainer.steps, step):
-            metrics |= evaluate(d)
-        d.logger.log(step, metrics)
+        with stop_deferred():  # a stop lands after the update is in the state and its row is logged
+            trained = train_on(d, step, problems, samples, state.version)  # score, train
+            if trained is None:
+                continue
+            t3 = time.perf_counter()
+            d.weights.publish(state.version + 1)  # publish v + 1
+            t4 = time.perf_counter()
+            times = StepTimes(t1 - t0, trained.reward_s, trained.train_s, t4 - t3, t4 - t0)
+            metrics = step_report(trained, run.correction, state.version, state.resyncs + 1, times)
+            metrics |= d.memory()
+            metrics |= {
+                "sync/engine_restarts": float(d.rollout.restarts),
+                # the version the engines recorded
+                "sync/engine_version": float(max(s.final_version for s in samples)),
+            }
+            if eval_due(run.eval.every, run.trainer.steps, step):
+                metrics |= evaluate(d)
+            d.state = RunState(step, state.version + 1, state.tag, state.resyncs + 1)
+            d.weights.keep_only(d.state)
+            d.logger.log(step, metrics)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", refresh=False)
         log.info("step %d reward %.3f time %.2fs", step, metrics["reward/mean"], times.total)
         d.checkpoint_if_due(step)
