@@ -94,6 +94,9 @@ def _fill(disk: Path, leave: int) -> Path:
 
 @pytest.mark.slow
 def test_a_run_whose_disk_fills_stops_with_the_previous_checkpoint_intact(small_disk: Path) -> None:
+    """The disk fills once the first checkpoint is written; the run goes on meanwhile, so the checkpoint
+    that fails is whichever comes next: the one before it stays in force and intact, and the run resumes
+    from it to the end."""
     args = [*SMALL, "trainer.steps=1000", "trainer.checkpoint_every=2"]
     filled: list[Path] = []
 
@@ -103,14 +106,16 @@ def test_a_run_whose_disk_fills_stops_with_the_previous_checkpoint_intact(small_
     run = run_until(small_disk, "full", args, state_step_at_least(1), 0, act=fill)
     assert run.returncode == 1, run.log[-3000:]
     (line,) = [line for line in run.log.splitlines() if "rlfw train: stopped:" in line]
-    assert "no space left" in line and "the previous checkpoint (step000001) is intact" in line
-    assert "Traceback" not in run.log
     state = json.loads((run.run_dir / "run_state.json").read_text())
-    assert state["tag"] == "step000001"
-    assert sorted(p.name for p in (run.run_dir / "checkpoints").iterdir() if p.is_dir()) == ["step000001"]
+    kept = state["tag"]
+    assert "no space left" in line and f"the previous checkpoint ({kept}) is intact" in line
+    assert "Traceback" not in run.log
+    assert kept == f"step{state['step']:06d}" and state["step"] >= 1
+    assert sorted(p.name for p in (run.run_dir / "checkpoints").iterdir() if p.is_dir()) == [kept]
     filled[0].unlink()
+    steps = state["step"] + 3
     resumed = run_train(
-        small_disk, "full", *SMALL, "trainer.steps=5", "trainer.checkpoint_every=2", "resume=true"
+        small_disk, "full", *SMALL, f"trainer.steps={steps}", "trainer.checkpoint_every=2", "resume=true"
     )
     assert resumed.returncode == 0, resumed.log[-3000:]
-    assert [r["step"] for r in resumed.metrics()] == list(range(5))
+    assert [r["step"] for r in resumed.metrics()] == list(range(steps))
