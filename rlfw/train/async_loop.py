@@ -31,7 +31,7 @@ from rlfw.logging.progress import progress
 from rlfw.tasks.base import Problem
 from rlfw.train.checkpoint import checkpoint_folder
 from rlfw.train.evaluate import eval_due, evaluate
-from rlfw.train.phases import Driver, step_prompts, train_on
+from rlfw.train.phases import Driver, score_step, step_prompts, train_on
 from rlfw.train.report import StepTimes, decode_kv_staleness, step_report, time_metrics, trainer_numerics
 from rlfw.train.schedule import SyncClock, pipeline_depth, spans_versions
 from rlfw.train.state import RunState
@@ -103,28 +103,31 @@ def async_steps(d: Driver) -> None:
         t1 = time.perf_counter()
         if depth and step + depth < run.trainer.steps:
             queue.append(submit(d, step + depth, clock))  # the engines generate while the trainer trains
+        scored = score_step(d, step, flight.problems, samples, clock.trainer_version)
+        if scored is None:
+            continue
         with stop_deferred():  # a stop lands after the update is in the state and its row is logged
-            trained = train_on(d, step, flight.problems, samples, clock.trainer_version)
-            if trained is None:
-                continue
+            trained = train_on(d, step, scored)
             t3 = time.perf_counter()
-            times = StepTimes(t1 - t0, trained.reward_s, trained.train_s, 0.0, t3 - t0)
+            times = StepTimes(t1 - t0, trained.scored.reward_s, trained.train_s, 0.0, t3 - t0)
             metrics = step_report(trained, run.correction, clock.trainer_version, clock.resyncs, times)
-            metrics |= trainer_numerics(trained.batch, trained.result.trainer_logp, clock.trainer_version)
+            metrics |= trainer_numerics(
+                trained.scored.batch, trained.result.trainer_logp, clock.trainer_version
+            )
             metrics |= decode_kv_staleness(samples)
             clock.trained()
             resynced = resync(d, clock, float(metrics[lag_ess_key(run.sync.ess_level)]))
             t4 = time.perf_counter()
-            times = StepTimes(t1 - t0, trained.reward_s, trained.train_s, t4 - t3, t4 - t0)
+            times = StepTimes(t1 - t0, trained.scored.reward_s, trained.train_s, t4 - t3, t4 - t0)
             tokens = sum(s.response_T.shape[0] for s in samples)
             metrics |= time_metrics(tokens, len(samples), times.total, times)
             metrics |= d.memory()
             metrics |= {
                 "sync/resyncs": float(clock.resyncs),
                 "sync/resynced": float(resynced),
-                "sync/dropped_stale": float(trained.dropped_stale),
+                "sync/dropped_stale": float(trained.scored.dropped_stale),
                 "sync/in_flight_samples": float(sum(spans_versions(s) for s in samples)),
-                "sync/trained_samples": float(len(trained.batch)),
+                "sync/trained_samples": float(len(trained.scored.batch)),
                 "sync/engine_version": float(clock.engine_version),
                 "sync/engine_restarts": float(d.rollout.restarts),
             }

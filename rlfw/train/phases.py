@@ -72,25 +72,33 @@ def step_prompts(d: Driver, step: int) -> tuple[list[Problem], GenerationRequest
 
 
 @dataclass
-class Trained:
-    """What one step's body produced: the samples generated, the batch trained on, the trainer's result."""
+class Scored:
+    """A step's samples scored and the batch built from them, before the trainer takes it."""
 
     samples: list[Sample]
     batch: TrainBatch
-    result: TrainResult
     failed_rewards: int
     dropped_stale: int
     reward_s: float  # scoring and batch building
-    train_s: float
     reward_parts: dict[str, float] = field(default_factory=dict)  # reward/<name> when there are several
 
 
-def train_on(
+@dataclass
+class Trained:
+    """What one step's body produced: the scored samples and batch, and the trainer's result on it."""
+
+    scored: Scored
+    result: TrainResult
+    train_s: float
+
+
+def score_step(
     d: Driver, step: int, problems: list[Problem], samples: list[Sample], trainer_version: int
-) -> Trained | None:
+) -> Scored | None:
     """Score the samples, drop those drawn more than ``sync.max_staleness`` versions before
-    ``trainer_version`` (none in sync mode, where every token is at the trainer's version), build the batch
-    and take one optimizer step on it. ``None`` when too few samples are left to train (said in the log)."""
+    ``trainer_version`` (none in sync mode, where every token is at the trainer's version) and build the
+    batch. ``None`` when too few samples are left to train (said in the log). Nothing here changes the
+    run's state, so a stop may land during it."""
     run = d.run
     t0 = time.perf_counter()
     failed, parts = reward(d.setup, problems, samples)
@@ -100,11 +108,16 @@ def train_on(
         skip_step(d, step, len(samples), failed, len(dropped))
         return None
     d.skipped_in_a_row = 0
+    return Scored(samples, batch, failed, len(dropped), time.perf_counter() - t0, parts)
+
+
+def train_on(d: Driver, step: int, scored: Scored) -> Trained:
+    """One optimizer step on the scored batch (the update a checkpoint must record with its step)."""
+    t0 = time.perf_counter()
+    result = d.trainer.train(scored.batch)
     t1 = time.perf_counter()
-    result = d.trainer.train(batch)
-    t2 = time.perf_counter()
     check_finite(d, step, result.scalars)
-    return Trained(samples, batch, result, failed, len(dropped), t1 - t0, t2 - t1, parts)
+    return Trained(scored, result, t1 - t0)
 
 
 class StalledRun(RuntimeError):

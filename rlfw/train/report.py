@@ -47,14 +47,14 @@ def step_report(
 ) -> dict[str, float | Tensor]:
     """The metrics every step reports, in either loop: ratio factors and ESS over the whole batch (computed
     once, here), the trainer's scalars, rewards, staleness and timings."""
-    samples, batch, result = trained.samples, trained.batch, trained.result
+    samples, batch, result = trained.scored.samples, trained.scored.batch, trained.result
     tokens = sum(s.response_T.shape[0] for s in samples)
     report: dict[str, float | Tensor] = {}
     report |= ratio_factors(batch, result.trainer_logp, result.old_logp, correction)
     report["ratio/prefill_coverage"] = prefill_coverage(batch)
     report |= result.scalars
-    report |= reward_metrics(samples, trained.failed_rewards)
-    report |= trained.reward_parts
+    report |= reward_metrics(samples, trained.scored.failed_rewards)
+    report |= trained.scored.reward_parts
     report |= sync_metrics(batch, trainer_version, resyncs)
     report |= time_metrics(tokens, len(samples), times.generate, times)
     return report

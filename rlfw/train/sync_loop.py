@@ -7,7 +7,7 @@ import time
 
 from rlfw.logging.progress import progress
 from rlfw.train.evaluate import eval_due, evaluate
-from rlfw.train.phases import Driver, step_prompts, train_on
+from rlfw.train.phases import Driver, score_step, step_prompts, train_on
 from rlfw.train.report import StepTimes, step_report
 from rlfw.train.state import RunState
 from rlfw.train.stopping import stop_deferred
@@ -25,14 +25,15 @@ def sync_steps(d: Driver) -> None:
         problems, request = step_prompts(d, step)
         samples = d.rollout.generate(request)  # generate with version v
         t1 = time.perf_counter()
+        scored = score_step(d, step, problems, samples, state.version)
+        if scored is None:
+            continue
         with stop_deferred():  # a stop lands after the update is in the state and its row is logged
-            trained = train_on(d, step, problems, samples, state.version)  # score, train
-            if trained is None:
-                continue
+            trained = train_on(d, step, scored)
             t3 = time.perf_counter()
             d.weights.publish(state.version + 1)  # publish v + 1
             t4 = time.perf_counter()
-            times = StepTimes(t1 - t0, trained.reward_s, trained.train_s, t4 - t3, t4 - t0)
+            times = StepTimes(t1 - t0, trained.scored.reward_s, trained.train_s, t4 - t3, t4 - t0)
             metrics = step_report(trained, run.correction, state.version, state.resyncs + 1, times)
             metrics |= d.memory()
             metrics |= {
