@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/linear_ab.py --rev HEAD~1 [--reps 15] [--rows 1040]
     OMP_NUM_THREADS=1 .venv/bin/python bench/linear_ab.py --rev HEAD~1 --engine --rows 64
+    OMP_NUM_THREADS=1 .venv/bin/python bench/linear_ab.py --rev HEAD~1 --stored --rows 8
 
 Builds ``kernels/csrc`` as it is at ``--rev`` into a second extension (in a temporary folder, with this
 checkout's compiler flags), then times the trainer's three products per linear of the 13M model, forward
@@ -9,8 +10,10 @@ checkout's compiler flags), then times the trainer's three products per linear o
 about 16 sequences of 65 tokens), each as the trainer calls it (the weight packed per call), alternating
 the two builds call by call (medians). ``--engine``: instead, an engine's forward against its weights
 packed once (``linear_packed``), for every weight of the 13M and 76M models (64 rows: a decode step of
-the benchmark's batch; 4,096: its prefill stream). Every product must give the same bits from both
-builds: a kernel change that moves speed may not move a bit.
+the benchmark's batch; 4,096: its prefill stream). ``--stored``: the same weights read as stored
+(``linear``; up to 64 rows it never packs: the per-op path's decode step when nothing packed the
+weights). Every product must give the same bits from both builds: a kernel change that moves speed may
+not move a bit.
 """
 
 from __future__ import annotations
@@ -88,14 +91,24 @@ def engine_products(rows: int, k: int, n: int) -> list[tuple[str, Callable[[Any]
     return [("packed fwd", forward)]
 
 
+def stored_products(rows: int, k: int, n: int) -> list[tuple[str, Callable[[Any], torch.Tensor]]]:
+    """The forward for a weight [n, k] read as stored (``linear``), on ``rows`` rows."""
+    g = torch.Generator().manual_seed(k * n)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    return [("stored fwd", lambda mod: mod.linear(x, w))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", required=True, help="the git revision to compare with (e.g. HEAD~1)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", type=int, default=1040)
     ap.add_argument("--engine", action="store_true", help="an engine's packed forward, both models' weights")
+    ap.add_argument("--stored", action="store_true", help="the forward over weights as stored, both models'")
     a = ap.parse_args()
-    shapes, make = (ENGINE_SHAPES, engine_products) if a.engine else (SHAPES, products)
+    shapes, make = (SHAPES, products)
+    if a.engine or a.stored:
+        shapes, make = ENGINE_SHAPES, stored_products if a.stored else engine_products
     torch.set_num_threads(1)
     here = cpu_native.module()
     with tempfile.TemporaryDirectory() as tmp:

@@ -258,6 +258,56 @@ void few_rows_block(const float* xt, int64_t m, int64_t k, const float* w, float
     for (int64_t r = 0; r < m; ++r) y[r * ldy + c] = tmp[c][r];
 }
 
+// One vector of rows (at most eight rows in an 8-lane vector; nine to sixteen in a 16-lane one on AVX-512)
+// against C weight rows at once, so that C chains are in flight and no fma multiplies only the zeros past
+// the rows, as the two-vector block above does for eight rows or fewer. The same fma chain per element.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V splat(const float* p) { return _mm256_broadcast_ss(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_store_ps(p, v); }
+};
+#if RLFW_AVX512
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V splat(const float* p) { return _mm512_set1_ps(*p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_store_ps(p, v); }
+};
+#endif
+
+template <typename L, int C>
+void few_rows_lanes(const float* xt, int64_t m, int64_t k, const float* w, float* y, int64_t ldy) {
+  typename L::V acc[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) acc[c] = L::zero();
+  for (int64_t i = 0; i < k; ++i) {
+    const typename L::V x0 = L::load(xt + i * kFewRows);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[c] = L::fma(x0, L::splat(w + c * k + i), acc[c]);
+  }
+  alignas(64) float tmp[C][L::kLanes];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) L::store(tmp[c], acc[c]);
+  for (int c = 0; c < C; ++c)
+    for (int64_t r = 0; r < m; ++r) y[r * ldy + c] = tmp[c][r];
+}
+
+// Columns n0 .. n1-1 of one group of rows (xt), eight weight rows per block and the rest one at a time.
+template <typename L>
+void few_rows_columns(const float* xt, int64_t m, int64_t k, const float* w, float* y, int64_t n0, int64_t n1,
+                      int64_t ldy) {
+  int64_t c = n0;
+  for (; c + 8 <= n1; c += 8) few_rows_lanes<L, 8>(xt, m, k, w + c * k, y + c, ldy);
+  for (; c < n1; ++c) few_rows_lanes<L, 1>(xt, m, k, w + c * k, y + c, ldy);
+}
+
 void few_rows(const float* x, int64_t m, int64_t k, const float* w, float* y, int64_t n0, int64_t n1, int64_t n) {
   std::vector<float> xt(k * kFewRows);
   for (int64_t r0 = 0; r0 < m; r0 += kFewRows) {  // groups of 16 rows, each transposed once
@@ -265,9 +315,18 @@ void few_rows(const float* x, int64_t m, int64_t k, const float* w, float* y, in
     std::fill(xt.begin(), xt.end(), 0.0f);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < k; ++i) xt[i * kFewRows + r] = x[(r0 + r) * k + i];
+    float* yr = y + r0 * n;
+    if (rows <= 8) {
+      few_rows_columns<Lanes8>(xt.data(), rows, k, w, yr, n0, n1, n);
+      continue;
+    }
+#if RLFW_AVX512
+    few_rows_columns<Lanes16>(xt.data(), rows, k, w, yr, n0, n1, n);
+#else
     int64_t c = n0;
-    for (; c + 4 <= n1; c += 4) few_rows_block<4>(xt.data(), rows, k, w + c * k, y + r0 * n + c, n);
-    for (; c < n1; ++c) few_rows_block<1>(xt.data(), rows, k, w + c * k, y + r0 * n + c, n);
+    for (; c + 4 <= n1; c += 4) few_rows_block<4>(xt.data(), rows, k, w + c * k, yr + c, n);
+    for (; c < n1; ++c) few_rows_block<1>(xt.data(), rows, k, w + c * k, yr + c, n);
+#endif
   }
 }
 
