@@ -210,7 +210,9 @@ def main() -> None:
         folder, root = Path(tmp) / "model", Path(tmp) / "runs"
         write_model(folder)
         steps: dict[str, list[float]] = {side: [] for side in a.sides}
+        by_round: list[dict[str, float]] = []  # each side's median step, round by round
         for _ in range(a.rounds):
+            by_round.append({})
             for side in a.sides:
                 if side in ("trl", "trl-keepheap"):
                     times = trl_side(folder, a.steps, a.trl_threads, side == "trl-keepheap")
@@ -219,15 +221,13 @@ def main() -> None:
                 # the first step compiles and warms up; an async run's last step has no generation in
                 # flight (nothing to overlap, so faster than the steady state), so both ends are dropped
                 steps[side] += times[1:-1]
+                by_round[-1][side] = statistics.median(times[1:-1])
                 print(side, [round(t, 2) for t in times], flush=True)
     s_per_step = {side: statistics.median(ts) for side, ts in steps.items()}
-    peers = [p for p in ("trl", "trl-keepheap") if p in s_per_step]
-    ratios = {
-        f"{s}/{p} (steps per second)": s_per_step[p] / s_per_step[s]
-        for p in peers
-        for s in steps
-        if s not in ("trl", "trl-keepheap")
-    }
+    ratios = peer_ratios(s_per_step)
+    # The machine's speed can move between rounds (its memory bandwidth, a neighbour): a round's sides run
+    # within a few minutes of each other, so each round's ratios show how far the pooled ones can be trusted.
+    round_ratios = [peer_ratios(medians) for medians in by_round]
     result = {
         "machine": machine.describe(),
         "trl_threads": a.trl_threads,
@@ -235,10 +235,23 @@ def main() -> None:
         "rounds": a.rounds,
         "s_per_step": s_per_step,
         "ratios": ratios,
+        "ratios_by_round": round_ratios,
+        "s_per_step_by_round": by_round,
         "step_times": steps,
     }
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("s_per_step", "ratios")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("s_per_step", "ratios", "ratios_by_round")}, indent=2))
+
+
+def peer_ratios(s_per_step: dict[str, float]) -> dict[str, float]:
+    """Each rlfw side's steps per second over each peer's, from seconds per step."""
+    peers = [p for p in ("trl", "trl-keepheap") if p in s_per_step]
+    return {
+        f"{s}/{p} (steps per second)": s_per_step[p] / s_per_step[s]
+        for p in peers
+        for s in s_per_step
+        if s not in ("trl", "trl-keepheap")
+    }
 
 
 if __name__ == "__main__":
