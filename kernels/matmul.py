@@ -220,12 +220,12 @@ def grad_input(grad: Tensor, weight: Tensor) -> Tensor:
 def grad_weight(grad: Tensor, x: Tensor) -> Tensor:
     """``grad [M, N].T @ x [M, K] -> [N, K]`` in fp32 (a linear's weight gradient, each element reduced
     over the ``M`` rows in ascending order) through the compiled kernel, like :func:`grad_input`. The
-    transposed gradient is made by the compiled tiled copy (torch's strided copy of a transpose ran at
-    about 1 GB/s on the trainer's shapes)."""
-    g = _fp32(grad)
+    kernel transposes the gradient a block of rows at a time into a buffer that stays in cache, rather
+    than making the whole transposed copy first."""
+    g, rows = _fp32(grad), _fp32(x)
     with widened():
-        gt: Tensor = cpu_native.module().transpose(g)
-    return _fixed_order(gt, x)
+        out: Tensor = cpu_native.module().linear_tn(g, rows)
+    return out
 
 
 def _fixed_order(a: Tensor, b: Tensor) -> Tensor:

@@ -410,13 +410,62 @@ void check_x(const torch::Tensor& x, int64_t k) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "linear: contiguous fp32 x");
 }
 
-// y = x @ w.T from the packed panels of w [N, K].
-torch::Tensor run_packed(const torch::Tensor& x, const float* packed, int64_t n) {
-  const int64_t m = x.size(0), k = x.size(1);
-  auto y = torch::empty({m, n}, x.options());
+constexpr int64_t kTile = 64;  // rows and columns per cache tile of transpose()
+
+#if RLFW_AVX2
+// dst[j * ldd + i] = src[i * lds + j] for an 8 x 8 block.
+inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+#endif
+
+
+// dst[(j - j0) * ldd + i] = src[i * lds + j] for rows i < m and columns j0 <= j < j1 of src: those columns
+// as rows of dst, in cache tiles of 64 x 64 with 8 x 8 register transposes inside them (a copy: the bits
+// are src's).
+void transpose_columns(const float* src, int64_t lds, int64_t m, int64_t j0, int64_t j1, float* dst, int64_t ldd) {
+  for (int64_t t0 = j0; t0 < j1; t0 += kTile) {
+    const int64_t t1 = std::min(j1, t0 + kTile);
+    for (int64_t i0 = 0; i0 < m; i0 += kTile) {
+      const int64_t i1 = std::min(m, i0 + kTile);
+      int64_t j = t0;
+#if RLFW_AVX2
+      for (; j + 8 <= t1; j += 8) {
+        int64_t i = i0;
+        for (; i + 8 <= i1; i += 8) transpose8(src + i * lds + j, lds, dst + (j - j0) * ldd + i, ldd);
+        for (; i < i1; ++i)
+          for (int64_t jj = j; jj < j + 8; ++jj) dst[(jj - j0) * ldd + i] = src[i * lds + jj];
+      }
+#endif
+      for (; j < t1; ++j)
+        for (int64_t i = i0; i < i1; ++i) dst[(j - j0) * ldd + i] = src[i * lds + j];
+    }
+  }
+}
+
+// y [m, n] = x @ w.T from the packed panels of w [n, k], in the options of `like`. x comes a block of rows
+// at a time: rows_of(r0, rows) gives rows r0 .. r0 + rows - 1 of x, each k floats, k apart.
+template <typename RowsOf>
+torch::Tensor run_packed(int64_t m, int64_t k, RowsOf rows_of, const float* packed, int64_t n,
+                         const torch::Tensor& like) {
+  auto y = torch::empty({m, n}, like.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
-  const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t stretches = k <= kWholeK ? 1 : (k + kStretch - 1) / kStretch;
@@ -428,14 +477,22 @@ torch::Tensor run_packed(const torch::Tensor& x, const float* packed, int64_t n)
   const int64_t block_rows = std::max<int64_t>(kRows, (kBlockBytes / (stretch * 4)) / kRows * kRows);
   for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
     const int64_t rows = std::min(block_rows, m - r0);
+    const float* xp = rows_of(r0, rows);
     for (int64_t k0 = 0; k0 < k; k0 += stretch) {
       const Stretch s{k, std::min(stretch, k - k0), k0 > 0};
       at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-        panel_rows(xp + r0 * k + k0, rows, s, packed + k0 * kPanel, yp + r0 * n, n, p0, p1);
+        panel_rows(xp + k0, rows, s, packed + k0 * kPanel, yp + r0 * n, n, p0, p1);
       });
     }
   }
   return y;
+}
+
+// y = x @ w.T from the packed panels of w [N, K].
+torch::Tensor run_packed(const torch::Tensor& x, const float* packed, int64_t n) {
+  const int64_t k = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  return run_packed(x.size(0), k, [&](int64_t r0, int64_t) { return xp + r0 * k; }, packed, n, x);
 }
 
 // Panels [ceil(n / 16), k, 16] for a weight with n outputs and inner size k, filled by
@@ -513,35 +570,27 @@ torch::Tensor linear_t(const torch::Tensor& x, const torch::Tensor& wt) {
   return run_packed(x, panels.data_ptr<float>(), wt.size(1));
 }
 
+// g [M, N] and x [M, K], fp32 and contiguous -> g.T @ x [N, K] (a linear's weight gradient): the bits of
+// linear_t(transpose(g), x), each element the fma chain over the M rows ascending. g.T is not made whole:
+// each block of its rows is transposed into a buffer that stays in cache while the panels pass over it.
+torch::Tensor linear_tn(const torch::Tensor& g, const torch::Tensor& x) {
+  TORCH_CHECK(g.dim() == 2 && x.dim() == 2 && g.size(0) == x.size(0), "linear_tn: g [M, N] and x [M, K]");
+  TORCH_CHECK(g.scalar_type() == at::kFloat && g.is_contiguous() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "linear_tn: contiguous fp32 g and x");
+  const int64_t m = g.size(0), n = g.size(1);
+  const torch::Tensor panels = pack_t(x);
+  const float* gp = g.data_ptr<float>();
+  std::vector<float> block;
+  auto rows_of = [&](int64_t r0, int64_t rows) {
+    block.resize(rows * m);
+    transpose_columns(gp, n, m, r0, r0 + rows, block.data(), m);
+    return static_cast<const float*>(block.data());
+  };
+  return run_packed(n, m, rows_of, panels.data_ptr<float>(), x.size(1), g);
+}
+
 bool vectorised() { return RLFW_AVX2; }
 
-namespace {
-
-constexpr int64_t kTile = 64;  // rows and columns per cache tile of transpose()
-
-#if RLFW_AVX2
-// dst[j * ldd + i] = src[i * lds + j] for an 8 x 8 block.
-inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  __m256 r[8], t[8], u[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
-  }
-}
-#endif
-
-}  // namespace
 
 // a [M, N] fp32 -> a.T as a new contiguous [N, M] (a copy: the bits are a's). Cache tiles of 64 x 64,
 // 8 x 8 register transposes inside them; threads take tiles of output rows.
@@ -553,23 +602,8 @@ torch::Tensor transpose(const torch::Tensor& a) {
   const float* src = a.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t j0 = t0 * kTile; j0 < std::min(n, t1 * kTile); j0 += kTile) {
-      const int64_t j1 = std::min(n, j0 + kTile);
-      for (int64_t i0 = 0; i0 < m; i0 += kTile) {
-        const int64_t i1 = std::min(m, i0 + kTile);
-        int64_t j = j0;
-#if RLFW_AVX2
-        for (; j + 8 <= j1; j += 8) {
-          int64_t i = i0;
-          for (; i + 8 <= i1; i += 8) transpose8(src + i * n + j, n, dst + j * m + i, m);
-          for (; i < i1; ++i)
-            for (int64_t jj = j; jj < j + 8; ++jj) dst[jj * m + i] = src[i * n + jj];
-        }
-#endif
-        for (; j < j1; ++j)
-          for (int64_t i = i0; i < i1; ++i) dst[j * m + i] = src[i * n + j];
-      }
-    }
+    const int64_t j0 = t0 * kTile;
+    transpose_columns(src, n, m, j0, std::min(n, t1 * kTile), dst + j0 * m, m);
   });
   return out;
 }

@@ -6,6 +6,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight);
 torch::Tensor pack(const torch::Tensor& weight);
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
 torch::Tensor linear_t(const torch::Tensor& x, const torch::Tensor& wt);
+torch::Tensor linear_tn(const torch::Tensor& g, const torch::Tensor& x);
 torch::Tensor pack_t(const torch::Tensor& wt);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& q_pos, const torch::Tensor& rows, double scale);
@@ -45,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("pack", &pack, "a weight [N, K] as the panels linear_packed reads");
   mod.def("linear_packed", &linear_packed, "linear against a weight packed once (same bits as linear)");
   mod.def("linear_t", &linear_t, "x @ wt for a weight given transposed [K, N] (same bits as linear)");
+  mod.def("linear_tn", &linear_tn, "g.T @ x for g [M, N], x [M, K] (same bits as linear_t(g.T, x))");
   mod.def("pack_t", &pack_t, "a weight given transposed [K, N] as the panels of its transpose (pack(wt.T))");
   mod.def("attention", &attention, "batch-invariant causal attention over the slotted K/V layout");
   mod.def("paged_attention", &paged_attention,

@@ -158,9 +158,28 @@ def test_every_register_block_computes_the_documented_fma_chain(k: int, threads:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 1, 1), (5, 3, 7), (37, 19, 70), (67, 130, 48), (1040, 70, 33), (1400, 40, 20)]
+)
+def test_weight_gradient_gives_the_bits_of_the_transposed_gradient(
+    threads: int, m: int, n: int, k: int
+) -> None:
+    """``linear_tn(g, x)`` (what ``matmul.grad_weight`` calls) transposes ``g`` a block of rows at a time
+    inside the kernel: the bits of ``linear_t`` on the whole transposed copy, for reductions walked whole
+    and in stretches (``m`` past 1,280), partial tiles and row blocks, on any thread count."""
+    from rlfw.kernels import cpu_native
+
+    mod = cpu_native.module()
+    gen = torch.Generator().manual_seed(m * n + k)
+    g, x = torch.randn(m, n, generator=gen), torch.randn(m, k, generator=gen)
+    with torch_threads(threads):
+        assert_same_bits(mod.linear_tn(g, x), mod.linear_t(g.t().contiguous(), x), f"{(m, n, k)}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_compiled_transpose_is_torchs_transpose(threads: int) -> None:
-    """The weight gradient's transposed copy (``matmul.grad_weight``): every shape's whole tiles, partial
-    tiles and 8 x 8 blocks with their tails give exactly ``a.t().contiguous()``."""
+    """The compiled transposed copy: every shape's whole tiles, partial tiles and 8 x 8 blocks with their
+    tails give exactly ``a.t().contiguous()``."""
     from rlfw.kernels import cpu_native
 
     g = torch.Generator().manual_seed(threads)
