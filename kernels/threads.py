@@ -1,7 +1,7 @@
 """How many threads the thread-count-independent CPU kernels may use at this moment.
 
 The compiled kernels (:mod:`rlfw.kernels.cpu_native`: the linear, the attention, RMSNorm, RoPE, SiLU-mul
-and their backward passes, the transpose) compute every output element on one thread in a fixed
+and their backward passes) compute every output element on one thread in a fixed
 order, so their bits do not depend on how many threads run them (tested).
 That makes them safe to widen on the fly: a process that is told a neighbour's cores are idle can run
 these kernels on more threads than its own share, and narrow again when the neighbour gets busy, without

@@ -410,7 +410,7 @@ void check_x(const torch::Tensor& x, int64_t k) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "linear: contiguous fp32 x");
 }
 
-constexpr int64_t kTile = 64;  // rows and columns per cache tile of transpose()
+constexpr int64_t kTile = 64;  // rows and columns per cache tile of transpose_columns()
 
 #if RLFW_AVX2
 // dst[j * ldd + i] = src[i * lds + j] for an 8 x 8 block.
@@ -433,7 +433,6 @@ inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
   }
 }
 #endif
-
 
 // dst[(j - j0) * ldd + i] = src[i * lds + j] for rows i < m and columns j0 <= j < j1 of src: those columns
 // as rows of dst, in cache tiles of 64 x 64 with 8 x 8 register transposes inside them (a copy: the bits
@@ -571,8 +570,9 @@ torch::Tensor linear_t(const torch::Tensor& x, const torch::Tensor& wt) {
 }
 
 // g [M, N] and x [M, K], fp32 and contiguous -> g.T @ x [N, K] (a linear's weight gradient): the bits of
-// linear_t(transpose(g), x), each element the fma chain over the M rows ascending. g.T is not made whole:
-// each block of its rows is transposed into a buffer that stays in cache while the panels pass over it.
+// linear_t(g.T, x), each element the fma chain over the M rows ascending. g.T is not made whole: each
+// block of its rows is transposed (the kernel's threads taking whole 64-column tiles) into a buffer that
+// stays in cache while the panels pass over it.
 torch::Tensor linear_tn(const torch::Tensor& g, const torch::Tensor& x) {
   TORCH_CHECK(g.dim() == 2 && x.dim() == 2 && g.size(0) == x.size(0), "linear_tn: g [M, N] and x [M, K]");
   TORCH_CHECK(g.scalar_type() == at::kFloat && g.is_contiguous() && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -583,27 +583,13 @@ torch::Tensor linear_tn(const torch::Tensor& g, const torch::Tensor& x) {
   std::vector<float> block;
   auto rows_of = [&](int64_t r0, int64_t rows) {
     block.resize(rows * m);
-    transpose_columns(gp, n, m, r0, r0 + rows, block.data(), m);
-    return static_cast<const float*>(block.data());
+    float* dst = block.data();
+    at::parallel_for(0, (rows + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
+      transpose_columns(gp, n, m, r0 + t0 * kTile, r0 + std::min(rows, t1 * kTile), dst + t0 * kTile * m, m);
+    });
+    return static_cast<const float*>(dst);
   };
   return run_packed(n, m, rows_of, panels.data_ptr<float>(), x.size(1), g);
 }
 
 bool vectorised() { return RLFW_AVX2; }
-
-
-// a [M, N] fp32 -> a.T as a new contiguous [N, M] (a copy: the bits are a's). Cache tiles of 64 x 64,
-// 8 x 8 register transposes inside them; threads take tiles of output rows.
-torch::Tensor transpose(const torch::Tensor& a) {
-  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kFloat && a.is_contiguous(),
-              "transpose: contiguous fp32 [M, N]");
-  const int64_t m = a.size(0), n = a.size(1);
-  auto out = torch::empty({n, m}, a.options());
-  const float* src = a.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t j0 = t0 * kTile;
-    transpose_columns(src, n, m, j0, std::min(n, t1 * kTile), dst + j0 * m, m);
-  });
-  return out;
-}

@@ -24,7 +24,6 @@ std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const to
                                              const torch::Tensor& r, const torch::Tensor& w);
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor& u, bool keep_denom);
-torch::Tensor transpose(const torch::Tensor& a);
 torch::Tensor gumbel(const torch::Tensor& seeds, int64_t vocab);
 bool vectorised();
 torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
@@ -59,7 +58,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rms_norm_backward", &rms_norm_backward, "(dx, d weight) of RMSNorm, one pass per row");
   mod.def("attention_backward", &attention_backward, "(dq, dk, dv) of attention over the batch's own K/V");
   mod.def("exp", &exp_f32_tensor, "the attention softmax's fp32 exp, elementwise (tests)");
-  mod.def("transpose", &transpose, "a.T as a new contiguous tensor (fp32 [M, N] -> [N, M])");
   mod.def("gumbel", &gumbel, "seeded Gumbel noise [N, vocab], row i from seeds[i] alone (SplitMix64)");
   mod.def("cached_block", &cached_block,
           "a dense block over an engine's KV cache: the per-op path's kernel calls, in one call (same bits)");
