@@ -392,12 +392,37 @@ torch::Tensor exp_f32_tensor(const torch::Tensor& x) {
   return out;
 }
 
+namespace {
+
+// acc[x] += w[c] * row(c)[x] for c = 0 .. count - 1 and x < d, each element one fma chain in c order,
+// continued from what acc holds.
+template <typename Rows>
+inline void chain_rows(const float* w, int64_t count, const Rows& row, int64_t d, float* acc) {
+  int64_t col = 0;
+#if RLFW_AVX2
+  for (; col + 8 * kLanes <= d; col += 8 * kLanes) weighted_sum<8>(w, 0, count, row, col, acc);
+  for (; col + kLanes <= d; col += kLanes) weighted_sum<1>(w, 0, count, row, col, acc);
+#endif
+  for (int64_t c = 0; c < count && col < d; ++c) {
+    const float* r = row(c);
+    for (int64_t x = col; x < d; ++x) acc[x] = std::fma(w[c], r[x], acc[x]);
+  }
+}
+
+constexpr int64_t kBackwardFloats = 1 << 15;  // softmax rows of one query block in the backward (128 KiB)
+
+}  // namespace
+
 // The gradients of attention() with respect to q, k and v (training: k and v [B, S, Hkv, D] are the batch's
 // own rows, no cache indirection) for the output gradient grad [B, T, Hq, D]. Gradients need no bits of
 // their own to match, only a fixed order: one task per (batch entry, KV head) computes every query of that
-// head group, tokens ascending, so each element of dk and dv is summed by one thread in one order whatever
-// the thread count. Per query row: p = softmax(scale * q.k_i) over i <= pos, dp_i = g.v_i,
+// head group, and each element of dq, dk and dv is one fma chain, from zero, in an order that depends on
+// the shapes alone: dq over keys ascending, dk and dv over query rows (tokens ascending, then heads)
+// ascending. Per query row: p = softmax(scale * q.k_i) over i <= pos, dp_i = g.v_i,
 // ds_i = p_i (dp_i - sum_j p_j dp_j); dq = scale * sum_i ds_i k_i, dk_i += scale * ds_i q, dv_i += p_i g.
+// The query rows go in blocks: first every row's p and ds (and its dq), then, key by key, dk and dv over
+// the block's rows, so each accumulator stays in registers across its chain rather than going through
+// memory at every term (a block's chain continues the previous block's from memory: the same chain).
 std::vector<torch::Tensor> attention_backward(const torch::Tensor& q, const torch::Tensor& k,
                                               const torch::Tensor& v, const torch::Tensor& q_pos, double scale,
                                               const torch::Tensor& grad) {
@@ -426,24 +451,6 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& q, const torc
   float* dvp = dv.data_ptr<float>();
   const int64_t group = hq / hkv;
   const float sc = static_cast<float>(scale);
-  // Per (query row, key i): dq += ds_i k_i, dk_i += ds_i q, dv_i += p_i g, eight floats at a time.
-  const auto update = [d](float ds, float pi, const float* kr, const float* qr, const float* gr, float* dqr,
-                          float* dkr, float* dvr) {
-    int64_t j = 0;
-#if RLFW_AVX2
-    const __m256 dsv = _mm256_set1_ps(ds), pv = _mm256_set1_ps(pi);
-    for (; j + kLanes <= d; j += kLanes) {
-      _mm256_storeu_ps(dqr + j, _mm256_fmadd_ps(dsv, _mm256_loadu_ps(kr + j), _mm256_loadu_ps(dqr + j)));
-      _mm256_storeu_ps(dkr + j, _mm256_fmadd_ps(dsv, _mm256_loadu_ps(qr + j), _mm256_loadu_ps(dkr + j)));
-      _mm256_storeu_ps(dvr + j, _mm256_fmadd_ps(pv, _mm256_loadu_ps(gr + j), _mm256_loadu_ps(dvr + j)));
-    }
-#endif
-    for (; j < d; ++j) {
-      dqr[j] = std::fma(ds, kr[j], dqr[j]);
-      dkr[j] = std::fma(ds, qr[j], dkr[j]);
-      dvr[j] = std::fma(pi, gr[j], dvr[j]);
-    }
-  };
   // Dot products of a against rows 0 .. n-1 (row i at rows(i)): eight at a time where the vector path is built.
   const auto dots = [d](const float* a, int64_t n, const auto& rows, float* out) {
     int64_t i = 0;
@@ -456,34 +463,56 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& q, const torc
 #endif
     for (; i < n; ++i) out[i] = dot(a, rows(i), d);
   };
+  const int64_t block = std::max<int64_t>(1, kBackwardFloats / std::max<int64_t>(1, group * s));  // tokens
   at::parallel_for(0, b * hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(s), dp(s);
+    const int64_t rows = std::min(block, t) * group;
+    std::vector<float> p(rows * s), ds(rows * s), dp(s), wp(rows), wds(rows);
+    std::vector<int64_t> n_of(rows);
+    std::vector<const float*> q_of(rows), g_of(rows), qs(rows), gs(rows);
     for (int64_t task = i0; task < i1; ++task) {
       const int64_t bi = task / hkv, kvh = task % hkv;
       const int64_t row0 = bi * s * hkv * d + kvh * d, step = hkv * d;  // key i of this head: row0 + i * step
       const auto key = [&](int64_t i) { return kp + row0 + i * step; };
       const auto value = [&](int64_t i) { return vp + row0 + i * step; };
-      for (int64_t ti = 0; ti < t; ++ti) {
-        const int64_t last = pos[bi * t + ti];
-        if (last < 0) continue;
-        const int64_t n = last + 1;
-        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+      for (int64_t t0 = 0; t0 < t; t0 += block) {
+        const int64_t nr = (std::min(t, t0 + block) - t0) * group;
+        int64_t nmax = 0;
+        for (int64_t r = 0; r < nr; ++r) {  // row r: token t0 + r / group, head kvh * group + r % group
+          const int64_t ti = t0 + r / group, h = kvh * group + r % group;
+          const int64_t n = pos[bi * t + ti] + 1;
+          n_of[r] = std::max<int64_t>(n, 0);
+          if (n <= 0) continue;
+          nmax = std::max(nmax, n);
           const int64_t at_q = ((bi * t + ti) * hq + h) * d;
-          const float* qr = qp + at_q;
-          const float* gr = gp + at_q;
-          dots(qr, n, key, p.data());
+          const float* qr = q_of[r] = qp + at_q;
+          const float* gr = g_of[r] = gp + at_q;
+          float* pr = p.data() + r * s;
+          float* dsr = ds.data() + r * s;
+          dots(qr, n, key, pr);
           float m = -INFINITY;
-          for (int64_t i = 0; i < n; ++i) m = std::max(m, p[i] *= sc);
+          for (int64_t i = 0; i < n; ++i) m = std::max(m, pr[i] *= sc);
+          exp_shifted(pr, n, m);
           float total = 0.0f;
-          for (int64_t i = 0; i < n; ++i) total += (p[i] = std::exp(p[i] - m));
+          for (int64_t i = 0; i < n; ++i) total += pr[i];
           dots(gr, n, value, dp.data());
           float mean_dp = 0.0f;
-          for (int64_t i = 0; i < n; ++i) mean_dp += (p[i] /= total) * dp[i];
-          for (int64_t i = 0; i < n; ++i) {
-            const float ds = sc * p[i] * (dp[i] - mean_dp);
-            const int64_t at_kv = row0 + i * step;
-            update(ds, p[i], kp + at_kv, qr, gr, dqp + at_q, dkp + at_kv, dvp + at_kv);
+          for (int64_t i = 0; i < n; ++i) mean_dp += (pr[i] /= total) * dp[i];
+          for (int64_t i = 0; i < n; ++i) dsr[i] = sc * pr[i] * (dp[i] - mean_dp);
+          chain_rows(dsr, n, key, d, dqp + at_q);
+        }
+        for (int64_t i = 0; i < nmax; ++i) {  // key i: the block's rows that see it, in order
+          int64_t count = 0;
+          for (int64_t r = 0; r < nr; ++r) {
+            if (n_of[r] <= i) continue;
+            wds[count] = ds[r * s + i];
+            wp[count] = p[r * s + i];
+            qs[count] = q_of[r];
+            gs[count] = g_of[r];
+            ++count;
           }
+          const int64_t at_kv = row0 + i * step;
+          chain_rows(wds.data(), count, [&](int64_t c) { return qs[c]; }, d, dkp + at_kv);
+          chain_rows(wp.data(), count, [&](int64_t c) { return gs[c]; }, d, dvp + at_kv);
         }
       }
     }

@@ -184,6 +184,26 @@ def test_attention_gradient_and_forward_bits(hq: int, d: int) -> None:
     assert not bool(got[0][2, :2].any() or got[0][2, -1].any()), "padding queries must get no gradient"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_gradient_of_long_rows(threads: int) -> None:
+    # 300 positions on 2 query heads per KV head: the backward takes the query rows in several blocks
+    # (its softmax rows of one block fill 128 KiB), each continuing the previous block's dk and dv.
+    torch.manual_seed(11)
+    b, t, hq, hkv, d = 2, 300, 4, 2, 16
+    q, g = torch.randn(b, t, hq, d), torch.randn(b, t, hq, d)
+    k, v = torch.randn(b, t, hkv, d), torch.randn(b, t, hkv, d)
+    pos = torch.arange(t).repeat(b, 1)
+    pos[1, :37] = -1  # a row whose queries start late: its first keys are seen by fewer queries
+
+    def compiled(*qkv: Tensor) -> Tensor:
+        out: Tensor = attn.CompiledBackward.apply(*qkv, pos, 0.25)
+        return out
+
+    with torch_threads(threads):
+        got = _grads(compiled, [q, k, v], g)[1]
+    _close(got, _reference_grads(lambda *qkv: attn.attention_reference(*qkv, pos, 0.25), [q, k, v], g))
+
+
 def test_the_invariant_ops_train_through_the_compiled_attention_backward() -> None:
     from rlfw.kernels.invariant import InvariantOps
 
