@@ -129,7 +129,23 @@ inline void weighted_sum(const float* e, int64_t i0, int64_t i1, const Value& va
 }
 #endif
 
+// acc[x] += w[i] * row(i)[x] for i = i0 .. i1 - 1 and x < d, each element one fma chain in i order,
+// continued from what acc holds (eight vectors of accumulators in registers where the vector path is built).
+template <typename Rows>
+inline void chain_rows(const float* w, int64_t i0, int64_t i1, const Rows& row, int64_t d, float* acc) {
+  int64_t col = 0;
+#if RLFW_AVX2
+  for (; col + 8 * kLanes <= d; col += 8 * kLanes) weighted_sum<8>(w, i0, i1, row, col, acc);
+  for (; col + kLanes <= d; col += kLanes) weighted_sum<1>(w, i0, i1, row, col, acc);
+#endif
+  for (int64_t i = i0; i < i1 && col < d; ++i) {
+    const float* r = row(i);
+    for (int64_t x = col; x < d; ++x) acc[x] = std::fma(w[i], r[x], acc[x]);
+  }
+}
+
 constexpr int64_t kQueryBlock = 8;  // query tokens of one batch entry walked together (see attend_block)
+constexpr int64_t kBackwardFloats = 1 << 15;  // softmax rows of one query block in the backward (128 KiB)
 
 // The query rows of nq tokens of one sequence over their visible positions, for heads 0 .. nh - 1. Token j's
 // query rows are qs[j] (head h at qs[j] + h * d, reading K/V head h / group), its position ps[j] (negative:
@@ -193,18 +209,7 @@ inline void attend_block(const float* const* qs, const int64_t* ps, int64_t nq, 
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t c1 = std::min(c0 + kChunk, ps[j] + 1);
         if (c1 <= c0) continue;
-        const float* eh = scores(j, h);
-        float* ah = acc + (j * nh + h) * d;
-        int64_t col = 0;
-#if RLFW_AVX2
-        constexpr int64_t kBlock = 8 * kLanes;  // eight accumulators in registers
-        for (; col + kBlock <= d; col += kBlock) weighted_sum<8>(eh, c0, c1, vh, col, ah);
-        for (; col + kLanes <= d; col += kLanes) weighted_sum<1>(eh, c0, c1, vh, col, ah);
-#endif
-        for (int64_t t = c0; t < c1 && col < d; ++t) {
-          const float* v = vh(t);
-          for (int64_t x = col; x < d; ++x) ah[x] = std::fma(eh[t], v[x], ah[x]);
-        }
+        chain_rows(scores(j, h), c0, c1, vh, d, acc + (j * nh + h) * d);
       }
     }
   }
@@ -392,27 +397,6 @@ torch::Tensor exp_f32_tensor(const torch::Tensor& x) {
   return out;
 }
 
-namespace {
-
-// acc[x] += w[c] * row(c)[x] for c = 0 .. count - 1 and x < d, each element one fma chain in c order,
-// continued from what acc holds.
-template <typename Rows>
-inline void chain_rows(const float* w, int64_t count, const Rows& row, int64_t d, float* acc) {
-  int64_t col = 0;
-#if RLFW_AVX2
-  for (; col + 8 * kLanes <= d; col += 8 * kLanes) weighted_sum<8>(w, 0, count, row, col, acc);
-  for (; col + kLanes <= d; col += kLanes) weighted_sum<1>(w, 0, count, row, col, acc);
-#endif
-  for (int64_t c = 0; c < count && col < d; ++c) {
-    const float* r = row(c);
-    for (int64_t x = col; x < d; ++x) acc[x] = std::fma(w[c], r[x], acc[x]);
-  }
-}
-
-constexpr int64_t kBackwardFloats = 1 << 15;  // softmax rows of one query block in the backward (128 KiB)
-
-}  // namespace
-
 // The gradients of attention() with respect to q, k and v (training: k and v [B, S, Hkv, D] are the batch's
 // own rows, no cache indirection) for the output gradient grad [B, T, Hq, D]. Gradients need no bits of
 // their own to match, only a fixed order: one task per (batch entry, KV head) computes every query of that
@@ -498,7 +482,7 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& q, const torc
           float mean_dp = 0.0f;
           for (int64_t i = 0; i < n; ++i) mean_dp += (pr[i] /= total) * dp[i];
           for (int64_t i = 0; i < n; ++i) dsr[i] = sc * pr[i] * (dp[i] - mean_dp);
-          chain_rows(dsr, n, key, d, dqp + at_q);
+          chain_rows(dsr, 0, n, key, d, dqp + at_q);
         }
         for (int64_t i = 0; i < nmax; ++i) {  // key i: the block's rows that see it, in order
           int64_t count = 0;
@@ -511,8 +495,8 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& q, const torc
             ++count;
           }
           const int64_t at_kv = row0 + i * step;
-          chain_rows(wds.data(), count, [&](int64_t c) { return qs[c]; }, d, dkp + at_kv);
-          chain_rows(wp.data(), count, [&](int64_t c) { return gs[c]; }, d, dvp + at_kv);
+          chain_rows(wds.data(), 0, count, [&](int64_t c) { return qs[c]; }, d, dkp + at_kv);
+          chain_rows(wp.data(), 0, count, [&](int64_t c) { return gs[c]; }, d, dvp + at_kv);
         }
       }
     }
