@@ -3,6 +3,7 @@ alternated process by process.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/revision_ab.py --rev HEAD~1 [--prefill-fraction 0]
     OMP_NUM_THREADS=1 .venv/bin/python bench/revision_ab.py --rev HEAD~3 --what train-step
+    OMP_NUM_THREADS=1 .venv/bin/python bench/revision_ab.py --rev HEAD~1 --what train-step-vocab
 
 The other revision is checked out into a temporary git worktree and imported first on ``PYTHONPATH``;
 the benchmark's own code (checkpoint, requests, batch) is this checkout's, so both sides get the same
@@ -13,7 +14,11 @@ and then ``--calls`` timed ones, one thread:
   64 tokens, ``kernels=invariant``, ``--prefill-fraction`` of the sequences scored by the prefill
   stream); the process reports its median tokens/s;
 * ``train-step``: the GRPO step of ``bench/train_step_backward.py`` (the same batch and settings as
-  ``bench/grpo_vs_trl.py``, one lent thread); the process reports its median seconds per step.
+  ``bench/grpo_vs_trl.py``, one lent thread); the process reports its median seconds per step;
+* ``train-step-vocab``: a GRPO step at a real vocabulary: the 13M model's layers with ``--vocab`` tokens
+  (tied embeddings, as Qwen3's small models; 151,936 is Qwen's) on a batch of 4 prompts of
+  ``--prompt-tokens`` random tokens x 4 samples of ``--response-tokens`` (one micro-batch), AdamW, one
+  lent thread; the process reports its median seconds per step.
 
 Each process also reports its peak resident memory over the timed calls (Linux: the high-water mark is
 reset after the untimed call through ``/proc/self/clear_refs``, so the model's set-up and, for the train
@@ -41,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+WHAT = ("generate", "train-step", "train-step-vocab")
 
 
 @contextmanager
@@ -102,11 +108,98 @@ def child_train_step(calls: int) -> float:
     return statistics.median(times)
 
 
+def child_train_step_vocab(calls: int, vocab: int, prompt_tokens: int, response_tokens: int) -> float:
+    """Median seconds of ``calls`` timed GRPO steps at a real vocabulary, after one untimed step."""
+    import random
+
+    import torch
+    from rollout_vs_peers import hf_config
+
+    from rlfw.algos import CorrectionConfig
+    from rlfw.distributed.cluster import keep_freed_memory
+    from rlfw.kernels import threads
+    from rlfw.model import Transformer
+    from rlfw.model.config import ModelArgs
+    from rlfw.model.distribution import Transforms
+    from rlfw.train.collate import collate
+    from rlfw.trainer.step import StepSpec, train_step
+    from rlfw.types import Sample
+
+    keep_freed_memory()  # as the trainer actor does
+    c = hf_config("13m")
+    args = ModelArgs(
+        model_type="qwen3",
+        vocab_size=vocab,
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"],
+        num_heads=c["num_attention_heads"],
+        num_kv_heads=c["num_key_value_heads"],
+        head_dim=c["head_dim"],
+        tie_word_embeddings=True,
+    )
+    model = Transformer(args, kernels="invariant")
+    model.init_weights(0)
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    samples = []
+    for prompt_id in range(4):
+        prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen)
+        for index in range(4):
+            t = response_tokens
+            zeros = torch.zeros(t)
+            samples.append(
+                Sample(
+                    prompt_id,
+                    index,
+                    prompt,
+                    torch.randint(0, vocab, (t,), generator=gen),
+                    zeros,
+                    zeros,
+                    zeros,
+                    torch.zeros(t, dtype=torch.long),
+                    torch.zeros(t, dtype=torch.long),
+                    torch.zeros(t, 0, dtype=torch.long),
+                    torch.zeros(t, 0),
+                    "length",
+                    0,
+                )
+            )
+    batch = collate(samples, [rng.uniform(-1.0, 1.0) for _ in samples])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    class Backend:
+        module = model
+        last_step_skipped = False
+
+        def backward(self, loss: torch.Tensor) -> None:
+            loss.backward()
+
+        def step(self) -> float:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return 0.0
+
+    spec = StepSpec(Transforms(), CorrectionConfig(name="tis"), 16, "decode", False)
+    threads.set_lender(lambda: 1)
+    train_step(Backend(), model, batch, spec, batch.num_tokens, len(batch))
+    reset_peak_rss()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        train_step(Backend(), model, batch, spec, batch.num_tokens, len(batch))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def run_side(code_root: Path, a: argparse.Namespace) -> tuple[float, float]:
     """One process of one side: its figure (tokens/s or seconds per step) and peak resident MiB."""
     env = os.environ | {"PYTHONPATH": str(code_root), "OMP_NUM_THREADS": "1"}
     args = [sys.executable, __file__, "--child", a.what, "--calls", str(a.calls)]
     args += ["--prefill-fraction", str(a.prefill_fraction)]
+    args += ["--vocab", str(a.vocab), "--prompt-tokens", str(a.prompt_tokens)]
+    args += ["--response-tokens", str(a.response_tokens)]
     out = subprocess.run(args, cwd=code_root, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"{code_root}: the {a.what} process exited {out.returncode}:\n{out.stderr[-3000:]}")
@@ -117,11 +210,14 @@ def run_side(code_root: Path, a: argparse.Namespace) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rev", help="the other revision (required unless --child)")
-    p.add_argument("--what", choices=("generate", "train-step"), default="generate")
+    p.add_argument("--what", choices=WHAT, default="generate")
     p.add_argument("--reps", type=int, default=4, help="processes per side, alternated")
     p.add_argument("--calls", type=int, default=3, help="timed calls per process")
     p.add_argument("--prefill-fraction", type=float, default=1.0)
-    p.add_argument("--child", choices=("generate", "train-step"), help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, default=151936, help="train-step-vocab: vocabulary size")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="train-step-vocab: tokens per prompt")
+    p.add_argument("--response-tokens", type=int, default=64, help="train-step-vocab: tokens per response")
+    p.add_argument("--child", choices=WHAT, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         import torch
@@ -131,8 +227,10 @@ def main() -> None:
         torch.set_num_threads(1)
         if a.child == "generate":
             figure = child_generate(a.calls, a.prefill_fraction)
-        else:
+        elif a.child == "train-step":
             figure = child_train_step(a.calls)
+        else:
+            figure = child_train_step_vocab(a.calls, a.vocab, a.prompt_tokens, a.response_tokens)
         print(figure, peak_rss_mb())
         return
     if not a.rev:
@@ -157,6 +255,8 @@ def main() -> None:
         print(f"{name:>10}: peak resident memory over the timed calls, median {statistics.median(f):.0f} MiB")
     record = {"machine": machine.describe(), "rev": a.rev, "what": a.what, "calls": a.calls}
     record |= {"prefill_fraction": a.prefill_fraction} if a.what == "generate" else {}
+    if a.what == "train-step-vocab":
+        record |= {"vocab": a.vocab, "prompt_tokens": a.prompt_tokens, "response_tokens": a.response_tokens}
     print(json.dumps(record | {unit: figures, "speed_ratios": ratios, "peak_rss_mb": peaks}))
 
 

@@ -177,6 +177,7 @@ class Transformer(nn.Module):
         slots: Tensor | None = None,
         routing: RouterTrace | None = None,
         with_values: bool = False,
+        scored: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Logits ``[B, T, V]`` for ``input_ids [B, T]`` (and values ``[B, T]`` with ``with_values``).
 
@@ -184,17 +185,36 @@ class Transformer(nn.Module):
         these cache rows (prefill or decode); the new tokens continue each row after its cached length.
         ``routing``: record the MoE expert ids, or replay given ones (R3). ``with_values``: also return
         the value head's estimate at every position (needs :meth:`attach_value_head`).
+        ``scored [B, T]`` (bool): return the logits of these entries only, ``[n, V]`` for the ``n`` true
+        entries in row-major order (a loss reads the response positions alone; with a real vocabulary
+        the other positions' logits would be most of the forward's memory). Under batch-invariant
+        kernels each row has the bits it has in the full ``[B, T, V]``.
         """
         if with_values and self.value_head is None:
             raise ValueError("with_values=True needs a value head: call attach_value_head() (algo=ppo does)")
         h, ctx = self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
         # The heads run on the computed tokens; nothing keeps their packed output after the gather to
-        # [B, T], so the peak stays that of the unpacked logits and their log-softmax.
-        if self.lm_head is None:  # tied: the embedding matrix is the head
-            logits = ctx.unpacked(self.ops.linear(h, self.model.embed_tokens.weight))
-        else:
-            logits = ctx.unpacked(self.lm_head(h, ctx))
+        # [B, T] (or to the scored entries), so the peak is that of the logits returned.
+        logits = self._head(h, ctx) if scored is None else self._scored_logits(h, ctx, scored)
         if not with_values:
             return logits
         assert self.value_head is not None
         return logits, ctx.unpacked(self.value_head(h, ctx)).squeeze(-1).float()
+
+    def _head(self, h: Tensor, ctx: ForwardContext) -> Tensor:
+        """The LM head over every batch entry, ``[B, T, V]``."""
+        return ctx.unpacked(self._lm_head(h, ctx))
+
+    def _scored_logits(self, h: Tensor, ctx: ForwardContext, scored: Tensor) -> Tensor:
+        """The LM head at the ``scored [B, T]`` entries, ``[n, V]``: each distinct computed token among
+        them once (samples of a group that drew the same first tokens share those rows), then one row
+        per entry."""
+        if ctx.packed is None:
+            return self._lm_head(h[scored], ctx)
+        rows, inverse = torch.unique(ctx.packed.at[scored], return_inverse=True)
+        return self._lm_head(h[0, rows], ctx)[inverse]
+
+    def _lm_head(self, h: Tensor, ctx: ForwardContext) -> Tensor:
+        if self.lm_head is None:  # tied: the embedding matrix is the head
+            return self.ops.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h, ctx)

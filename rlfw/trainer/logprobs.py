@@ -14,16 +14,16 @@ from rlfw.types import TrainBatch
 
 @dataclass
 class TrainerLogp:
-    """``logp [B, L-1]`` of each predicted token; ``topk_logp [B, L-1, K]`` at the sampler's top-k ids
-    (``None`` when not asked for); ``replay_mismatch`` for MoE: the share of (token, layer) whose experts
-    differ from the engine's (under R3: the router's own choice against the replayed one; ``None`` for
-    dense models)."""
+    """``logp [B, L-1]`` of each predicted response token (0 at the other positions, which are not
+    scored); ``topk_logp [B, L-1, K]`` at the sampler's top-k ids (``None`` when not asked for);
+    ``replay_mismatch`` for MoE: the share of (token, layer) whose experts differ from the engine's (under
+    R3: the router's own choice against the replayed one; ``None`` for dense models)."""
 
     logp: Tensor
     topk_logp: Tensor | None
     replay_mismatch: float | None
     values: Tensor | None = None  # [B, L-1] critic estimate at each prediction position (PPO)
-    entropy: Tensor | None = None  # [B, L-1] entropy of the (transformed) distribution at each position
+    entropy: Tensor | None = None  # [B, L-1] entropy of the (transformed) distribution (0 where not scored)
 
 
 def trainer_logp(
@@ -53,11 +53,16 @@ def trainer_logp(
     routing = None
     if engine_ids is not None:
         routing = RouterTrace(replay=engine_ids if replay else None)
-    out = model(tokens, mask, routing=routing, with_values=values)
+    # Only the positions that predict a response token are scored: nothing reads the others, and with a
+    # real vocabulary their logits and log-softmax would be most of the step's memory. Those positions
+    # read 0 in the [B, L-1] outputs.
+    scored = batch.mask
+    out = model(tokens, mask, routing=routing, with_values=values, scored=scored)
     logits, v = out if values else (out, None)
-    logp_all = ops_model.ops.log_softmax(process_logits(logits, t))
-    logp = logp_all.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
-    topk_logp = logp_all.gather(-1, batch.topk_ids) if topk else None
+    logp_all = ops_model.ops.log_softmax(process_logits(logits, t))  # [n, V], one row per scored position
+    where = scored.nonzero(as_tuple=True)
+    logp = _placed(logp_all.gather(-1, batch.tokens[:, 1:][where][:, None]).squeeze(-1), where, scored)
+    topk_logp = _placed(logp_all.gather(-1, batch.topk_ids[where]), where, batch.topk_ids) if topk else None
     mismatch = None  # the share of tokens routed differently from the engine (logged for every MoE run)
     if routing is not None and engine_ids is not None:
         if replay:
@@ -68,7 +73,15 @@ def trainer_logp(
     if entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             ent = -(logp_all.exp() * logp_all).nan_to_num().sum(-1)  # 0 * -inf (a masked token) counts 0
+            ent = _placed(ent, where, scored)
     return TrainerLogp(logp, topk_logp, mismatch, v, ent)
+
+
+def _placed(values: Tensor, where: tuple[Tensor, ...], like: Tensor) -> Tensor:
+    """``values [n, ...]`` of the scored positions ``where`` laid out as ``like``'s ``[B, L-1, ...]``
+    (fp32), zero elsewhere."""
+    out = values.new_zeros(like.shape)
+    return out.index_put(where, values)
 
 
 def scoring_logp(

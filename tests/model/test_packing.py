@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from rlfw.kernels import threads
 from rlfw.model import build_preset
 from rlfw.model.packing import PackedRows, shared_prefixes
 from tests.kernels.bits import assert_same_bits
@@ -123,3 +124,61 @@ def test_the_gradient_is_the_sum_of_each_rows_gradient() -> None:
         assert p.grad is not None
         scale = float(p.grad.abs().max())  # fp32 sums of many terms: compare against the largest entry
         torch.testing.assert_close(packed[n], p.grad, rtol=0.0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("preset", ["tiny_dense", "tiny_moe"])
+@settings(max_examples=examples(15), deadline=None)
+@given(data=st.data(), left=st.booleans(), compiled=st.booleans(), seed=st.integers(0, 2**16))
+def test_scored_entries_get_their_bits_and_their_gradient(
+    preset: str, data: st.DataObject, left: bool, compiled: bool, seed: int
+) -> None:
+    """``scored``: the logits of the chosen entries alone, each with the bits it has in the full forward,
+    and the full forward's gradient of a loss on them: the same sums less terms that are zero, so the
+    same bits on the compiled backward (what a trainer lending cores runs) and close on BLAS's."""
+    model = build_preset(preset, seed=7, kernels="invariant").train()
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = _pad(_groups(data, model.args.vocab_size, g), left)
+    scored = mask.bool() & (torch.rand(ids.shape, generator=g) < data.draw(st.floats(0.0, 1.0), "share"))
+    threads.set_lender((lambda: 1) if compiled else None)
+    try:
+        few = model(ids, mask, scored=scored)
+        few.log_softmax(-1).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        full = model(ids, mask)[scored]
+        full.log_softmax(-1).sum().backward()
+    finally:
+        threads.set_lender(None)
+    assert_same_bits(few, full.detach())
+    for n, p in model.named_parameters():
+        assert (p.grad is None) == (n not in grads)
+        if p.grad is None:
+            continue
+        if compiled:
+            assert torch.equal(grads[n], p.grad), n
+        else:
+            torch.testing.assert_close(grads[n], p.grad, rtol=0.0, atol=1e-5 * float(p.grad.abs().max()))
+
+
+def test_the_head_computes_each_distinct_scored_token_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples of a group that drew the same first tokens share those positions' head rows; positions
+    not scored (the prompt) reach no head row."""
+    model = build_preset("tiny_dense", seed=1, kernels="invariant")
+    heads: list[int] = []
+    linear = model.ops.linear
+
+    def counting(x: Tensor, w: Tensor) -> Tensor:
+        if w is model.output_weight:
+            heads.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return linear(x, w)
+
+    monkeypatch.setattr(model.ops, "linear", counting)
+    prompt, a, b = torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10, 11]), torch.tensor([9, 12, 13])
+    ids = torch.stack((torch.cat((prompt, a)), torch.cat((prompt, b)), torch.cat((prompt, a))))
+    scored = torch.zeros_like(ids, dtype=torch.bool)
+    scored[:, 3:6] = True  # the positions that predict the response tokens
+    with torch.no_grad():
+        out = model(ids, None, scored=scored)
+    # distinct scored tokens: the prompt's last (shared by all three), 9 (all three), then 10 and 12,
+    # (row 2 repeats row 0): 4 head rows for 9 scored entries
+    assert heads == [4] and out.shape == (9, model.args.vocab_size)

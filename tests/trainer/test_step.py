@@ -139,7 +139,8 @@ def test_kl_to_a_reference_and_the_entropy_bonus_enter_the_loss() -> None:
 @pytest.mark.parametrize("preset", ["tiny_dense", "tiny_moe"])
 def test_the_trainer_does_not_feed_the_last_position_and_loses_no_bit(preset: str) -> None:
     """The last position predicts past the sequence, so the trainer's forward stops one short. Every
-    log-prob (sampled token and top-k) is the bit pattern of the forward over the whole sequence."""
+    log-prob of a response token (sampled token and top-k) is the bit pattern of the forward over the
+    whole sequence; the positions before the response are not scored (0)."""
     from rlfw.model import RouterTrace
     from rlfw.trainer.logprobs import trainer_logp
 
@@ -154,7 +155,9 @@ def test_the_trainer_does_not_feed_the_last_position_and_loses_no_bit(preset: st
     with torch.no_grad():
         full = model(batch.tokens, batch.attention_mask, routing=routing)[:, :-1]
     logp_all = model.ops.log_softmax(full)
-    assert torch.equal(out.logp, logp_all.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1))
-    assert out.topk_logp is not None and torch.equal(out.topk_logp, logp_all.gather(-1, batch.topk_ids))
+    m = batch.mask
+    assert torch.equal(out.logp[m], logp_all.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)[m])
+    assert out.topk_logp is not None and torch.equal(out.topk_logp[m], logp_all.gather(-1, batch.topk_ids)[m])
+    assert not out.logp[~m].any() and not out.topk_logp[~m].any()  # positions no loss reads: not scored
     if preset == "tiny_moe":
         assert out.replay_mismatch == 0.0
