@@ -71,10 +71,19 @@ def trainer_logp(
             mismatch = routing.mismatch_against(engine_ids, mask)
     ent = None
     if entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = -(logp_all.exp() * logp_all).nan_to_num().sum(-1)  # 0 * -inf (a masked token) counts 0
-            ent = _placed(ent, where, scored)
+        grad = entropy_grad and torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad):
+            ent = _placed(_entropy(logp_all, grad), where, scored)
     return TrainerLogp(logp, topk_logp, mismatch, v, ent)
+
+
+def _entropy(logp: Tensor, grad: bool) -> Tensor:
+    """``-sum p log p`` of each row of ``logp [n, V]`` (a token masked to -inf counts 0). Without a
+    gradient (the usual case: the entropy is a metric) one ``[n, V]`` temporary rather than three."""
+    if grad:
+        return -(logp.exp() * logp).nan_to_num().sum(-1)
+    terms = logp.exp()
+    return -terms.mul_(logp).nan_to_num_().sum(-1)
 
 
 def _placed(values: Tensor, where: tuple[Tensor, ...], like: Tensor) -> Tensor:
