@@ -125,14 +125,30 @@ class PackedRows:
     def attention(self, ops: Ops, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """``ops.attention`` for the computed tokens' ``q [1, N, Hq, D]``, ``k``/``v [1, N, Hkv, D]``:
         each query in its batch row, over that row's keys and values (a shared token's from the row that
-        computed it); ``[1, N, Hq, D]``."""
+        computed it); ``[1, N, Hq, D]``.
+
+        The padded layouts are filled and read through flat row indices (one index per row of
+        ``[B * T]`` or ``[B * span]``), which torch copies a whole row at a time."""
         b, t = self.q_pos.shape
-        q_bt = q.new_zeros(b, t, *q.shape[2:]).index_put((self.fed_rows, self.fed_cols), q[0])
-        shape = (b, self.span, *k.shape[2:])
-        k_all = k.new_zeros(shape).index_put((self.kv_rows, self.kv_pos), k[0, self.kv_src])
-        v_all = v.new_zeros(shape).index_put((self.kv_rows, self.kv_pos), v[0, self.kv_src])
+        fed = self.fed_rows * t + self.fed_cols  # each computed token's row of [B * T]
+        q_bt = q.new_zeros(b * t, *q.shape[2:]).index_copy(0, fed, q[0]).view(b, t, *q.shape[2:])
+        k_all, v_all = self._keys(k), self._keys(v)
         out = ops.attention(q_bt, k_all, v_all, self.q_pos, scale)
-        return out[self.fed_rows, self.fed_cols][None]
+        return out.view(b * t, *out.shape[2:]).index_select(0, fed)[None]
+
+    def _keys(self, x: Tensor) -> Tensor:
+        """``x [1, N, Hkv, D]`` laid out per batch row ``[B, span, Hkv, D]``, zero past each row's tokens.
+
+        A shared token's row is read by several batch rows, so its gradient sums theirs. On the CPU
+        ``index_select``'s backward adds them in index order; on CUDA it adds them with atomics in no fixed
+        order, so there the gather stays the advanced index, whose backward is the accumulating
+        ``index_put_`` that sorts first (see the module's note)."""
+        b = self.q_pos.shape[0]
+        rows = self.kv_rows * self.span + self.kv_pos  # each batch token's row of [B * span]
+        src = x[0].index_select(0, self.kv_src) if x.device.type == "cpu" else x[0, self.kv_src]
+        return (
+            x.new_zeros(b * self.span, *x.shape[2:]).index_copy(0, rows, src).view(b, self.span, *x.shape[2:])
+        )
 
     def unpack(self, x: Tensor) -> Tensor:
         """``x [1, N, ...]`` per computed token -> ``[B, T, ...]`` per batch entry."""
