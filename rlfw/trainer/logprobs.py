@@ -37,13 +37,15 @@ def trainer_logp(
     values: bool = False,
     entropy: bool = False,
     entropy_grad: bool = False,
+    log_probs: bool = True,
 ) -> TrainerLogp:
     """Run ``model`` (the trainer's module, possibly wrapped by DeepSpeed) over ``batch``.
 
     Gradient flows when grad mode is on (the grad forward) and not otherwise (the scoring forward); both
     run the same ops, so they agree bit for bit. ``ops_model`` is the unwrapped shared model, for its op
     set. Under R3 (``replay``) the MoE layers use the rollout's expert ids. ``entropy``: also the
-    entropy of each position's distribution (with gradient only if ``entropy_grad``).
+    entropy of each position's distribution (with gradient only if ``entropy_grad``). ``log_probs=False``:
+    the value head alone (the LM head scores no position and every log-prob reads 0).
     """
     # The last position would predict a token past the sequence, so it is not fed: the forward covers
     # positions 0 .. L-2, which predict tokens 1 .. L-1. Under batch-invariant kernels each of them gets
@@ -56,7 +58,7 @@ def trainer_logp(
     # Only the positions that predict a response token are scored: nothing reads the others, and with a
     # real vocabulary their logits and log-softmax would be most of the step's memory. Those positions
     # read 0 in the [B, L-1] outputs.
-    scored = batch.mask
+    scored = batch.mask if log_probs else torch.zeros_like(batch.mask)
     out = model(tokens, mask, routing=routing, with_values=values, scored=scored)
     logits, v = out if values else (out, None)
     logp_all = ops_model.ops.log_softmax(process_logits(logits, t))  # [n, V], one row per scored position
@@ -113,7 +115,9 @@ def critic_values(
     with torch.no_grad():
         parts = []
         for mb in batch.micro_batches(micro):
-            v = trainer_logp(model, ops_model, mb, t, replay=True, topk=False, values=True).values
+            v = trainer_logp(
+                model, ops_model, mb, t, replay=True, topk=False, values=True, log_probs=False
+            ).values
             assert v is not None
             parts.append(v)
     return torch.cat(parts)

@@ -161,3 +161,27 @@ def test_the_trainer_does_not_feed_the_last_position_and_loses_no_bit(preset: st
     assert not out.logp[~m].any() and not out.topk_logp[~m].any()  # positions no loss reads: not scored
     if preset == "tiny_moe":
         assert out.replay_mismatch == 0.0
+
+
+def test_the_critics_pass_reads_the_value_head_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GAE's pre-update values come from a forward whose LM head scores no position; they are the bits
+    of the values the grad forward computes beside its log-probs."""
+    from rlfw.trainer.logprobs import critic_values, trainer_logp
+
+    model, batch = _batch()
+    model.attach_value_head()
+    heads: list[int] = []
+    linear = model.ops.linear
+
+    def counting(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if w is model.output_weight:
+            heads.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return linear(x, w)
+
+    monkeypatch.setattr(model.ops, "linear", counting)
+    values = critic_values(model, model, batch, Transforms(), micro=len(batch))
+    assert heads == [0]
+    with torch.no_grad():
+        both = trainer_logp(model, model, batch, Transforms(), replay=True, topk=False, values=True)
+    assert 0 < heads[1] <= int(batch.mask.sum())  # the grad forward's head: the scored positions
+    assert both.values is not None and torch.equal(values, both.values)
