@@ -65,21 +65,20 @@ def computed_rows(source: list[int], device: torch.device | None = None) -> tupl
 class PackedRows:
     """The ``N`` tokens a cache-less forward over ``[B, T]`` computes, and where each batch entry reads.
 
-    ``ids``/``positions [1, N]``: the computed tokens, row-major. ``fed_rows``/``fed_cols [N]``: each one's
-    place in the batch, and ``q_pos [B, T]`` the position of the tokens computed there (``-1`` elsewhere:
-    padding, and tokens another row computes). ``kv_rows``/``kv_pos``/``kv_src [M]``: for each of the
-    batch's ``M`` tokens, its row, its position and the computed token that holds its keys and values.
+    ``ids``/``positions [1, N]``: the computed tokens, row-major. ``fed [N]``: each one's place in the
+    batch, as a row of the flattened ``[B * T]``, and ``q_pos [B, T]`` the position of the tokens computed
+    there (``-1`` elsewhere: padding, and tokens another row computes). ``kv_at``/``kv_src [M]``: for each
+    of the batch's ``M`` tokens, its place in the keys' layout (a row of the flattened ``[B * span]``: its
+    batch row, its position) and the computed token that holds its keys and values.
     ``at [B, T]``: the computed token each batch entry reads its output from (padding: its row's first
     token, so that no entry of a row depends on the other rows).
     """
 
     ids: Tensor
     positions: Tensor
-    fed_rows: Tensor
-    fed_cols: Tensor
+    fed: Tensor
     q_pos: Tensor
-    kv_rows: Tensor
-    kv_pos: Tensor
+    kv_at: Tensor
     kv_src: Tensor
     at: Tensor
     span: int
@@ -109,17 +108,16 @@ class PackedRows:
         # Padding reads its row's first token: every entry of a row then depends on that row alone.
         at = index[starts[:-1].clamp(max=n - 1)][:, None].expand_as(positions).clone()
         at[rows, cols] = index
+        span = int(pos.max()) + 1
         return PackedRows(
             ids=input_ids[fed_rows, fed_cols][None],
             positions=positions[fed_rows, fed_cols][None],
-            fed_rows=fed_rows,
-            fed_cols=fed_cols,
+            fed=fed_rows * positions.shape[1] + fed_cols,
             q_pos=torch.full_like(positions, -1).index_put((fed_rows, fed_cols), pos[computed]),
-            kv_rows=rows,
-            kv_pos=pos,
+            kv_at=rows * span + pos,
             kv_src=index,
             at=at,
-            span=int(pos.max()) + 1,
+            span=span,
         )
 
     def attention(self, ops: Ops, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -130,11 +128,10 @@ class PackedRows:
         The padded layouts are filled and read through flat row indices (one index per row of
         ``[B * T]`` or ``[B * span]``), which torch copies a whole row at a time."""
         b, t = self.q_pos.shape
-        fed = self.fed_rows * t + self.fed_cols  # each computed token's row of [B * T]
-        q_bt = q.new_zeros(b * t, *q.shape[2:]).index_copy(0, fed, q[0]).view(b, t, *q.shape[2:])
+        q_bt = q.new_zeros(b * t, *q.shape[2:]).index_copy(0, self.fed, q[0]).view(b, t, *q.shape[2:])
         k_all, v_all = self._keys(k), self._keys(v)
         out = ops.attention(q_bt, k_all, v_all, self.q_pos, scale)
-        return out.view(b * t, *out.shape[2:]).index_select(0, fed)[None]
+        return out.view(b * t, *out.shape[2:]).index_select(0, self.fed)[None]
 
     def _keys(self, x: Tensor) -> Tensor:
         """``x [1, N, Hkv, D]`` laid out per batch row ``[B, span, Hkv, D]``, zero past each row's tokens.
@@ -144,11 +141,9 @@ class PackedRows:
         order, so there the gather stays the advanced index, whose backward is the accumulating
         ``index_put_`` that sorts first (see the module's note)."""
         b = self.q_pos.shape[0]
-        rows = self.kv_rows * self.span + self.kv_pos  # each batch token's row of [B * span]
         src = x[0].index_select(0, self.kv_src) if x.device.type == "cpu" else x[0, self.kv_src]
-        return (
-            x.new_zeros(b * self.span, *x.shape[2:]).index_copy(0, rows, src).view(b, self.span, *x.shape[2:])
-        )
+        layout = x.new_zeros(b * self.span, *x.shape[2:]).index_copy(0, self.kv_at, src)
+        return layout.view(b, self.span, *x.shape[2:])
 
     def unpack(self, x: Tensor) -> Tensor:
         """``x [1, N, ...]`` per computed token -> ``[B, T, ...]`` per batch entry."""
