@@ -18,6 +18,7 @@ from torch import Tensor
 from rlfw.kernels import threads
 from rlfw.model import build_preset
 from rlfw.model.packing import PackedRows, shared_prefixes
+from tests.head_rows import head_rows
 from tests.kernels.bits import assert_same_bits
 from tests.properties import examples
 
@@ -164,15 +165,7 @@ def test_the_head_computes_each_distinct_scored_token_once(monkeypatch: pytest.M
     """Samples of a group that drew the same first tokens share those positions' head rows; positions
     not scored (the prompt) reach no head row."""
     model = build_preset("tiny_dense", seed=1, kernels="invariant")
-    heads: list[int] = []
-    linear = model.ops.linear
-
-    def counting(x: Tensor, w: Tensor) -> Tensor:
-        if w is model.output_weight:
-            heads.append(x.reshape(-1, x.shape[-1]).shape[0])
-        return linear(x, w)
-
-    monkeypatch.setattr(model.ops, "linear", counting)
+    heads = head_rows(monkeypatch, model)
     prompt, a, b = torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10, 11]), torch.tensor([9, 12, 13])
     ids = torch.stack((torch.cat((prompt, a)), torch.cat((prompt, b)), torch.cat((prompt, a))))
     scored = torch.zeros_like(ids, dtype=torch.bool)

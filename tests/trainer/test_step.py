@@ -16,6 +16,7 @@ from rlfw.rollout.native import NativeEngine
 from rlfw.train.collate import collate
 from rlfw.trainer.step import PPOSpec, StepSpec, train_step
 from rlfw.types import GenerationRequest, TrainBatch
+from tests.head_rows import head_rows
 
 
 class PlainBackend:
@@ -170,15 +171,7 @@ def test_the_critics_pass_reads_the_value_head_alone(monkeypatch: pytest.MonkeyP
 
     model, batch = _batch()
     model.attach_value_head()
-    heads: list[int] = []
-    linear = model.ops.linear
-
-    def counting(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if w is model.output_weight:
-            heads.append(x.reshape(-1, x.shape[-1]).shape[0])
-        return linear(x, w)
-
-    monkeypatch.setattr(model.ops, "linear", counting)
+    heads = head_rows(monkeypatch, model)
     values = critic_values(model, model, batch, Transforms(), micro=len(batch))
     assert heads == [0]
     with torch.no_grad():
