@@ -45,6 +45,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import machine  # noqa: E402
 
+from rlfw.config import TrainerConfig  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 WHAT = ("generate", "train-step", "train-step-vocab")
 
@@ -108,8 +110,11 @@ def child_train_step(calls: int) -> float:
     return statistics.median(times)
 
 
-def child_train_step_vocab(calls: int, vocab: int, prompt_tokens: int, response_tokens: int) -> float:
+def child_train_step_vocab(
+    calls: int, vocab: int, prompt_tokens: int, response_tokens: int, chunk_mib: int
+) -> float:
     """Median seconds of ``calls`` timed GRPO steps at a real vocabulary, after one untimed step."""
+    import dataclasses
     import random
 
     import torch
@@ -182,6 +187,8 @@ def child_train_step_vocab(calls: int, vocab: int, prompt_tokens: int, response_
             return 0.0
 
     spec = StepSpec(Transforms(), CorrectionConfig(name="tis"), 16, "decode", False)
+    if "logits_chunk_mib" in {f.name for f in dataclasses.fields(StepSpec)}:  # revisions before it: unchunked
+        spec = dataclasses.replace(spec, logits_chunk_mib=chunk_mib)
     threads.set_lender(lambda: 1)
     train_step(Backend(), model, batch, spec, batch.num_tokens, len(batch))
     reset_peak_rss()
@@ -200,6 +207,7 @@ def run_side(code_root: Path, a: argparse.Namespace) -> tuple[float, float]:
     args += ["--prefill-fraction", str(a.prefill_fraction)]
     args += ["--vocab", str(a.vocab), "--prompt-tokens", str(a.prompt_tokens)]
     args += ["--response-tokens", str(a.response_tokens)]
+    args += ["--logits-chunk-mib", str(a.logits_chunk_mib)]
     out = subprocess.run(args, cwd=code_root, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"{code_root}: the {a.what} process exited {out.returncode}:\n{out.stderr[-3000:]}")
@@ -217,6 +225,12 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936, help="train-step-vocab: vocabulary size")
     p.add_argument("--prompt-tokens", type=int, default=128, help="train-step-vocab: tokens per prompt")
     p.add_argument("--response-tokens", type=int, default=64, help="train-step-vocab: tokens per response")
+    p.add_argument(
+        "--logits-chunk-mib",
+        type=int,
+        default=getattr(TrainerConfig, "logits_chunk_mib", 0),  # a child of an older revision: unused
+        help="train-step-vocab: trainer.logits_chunk_mib (revisions without it run the head unchunked)",
+    )
     p.add_argument("--child", choices=WHAT, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -230,7 +244,9 @@ def main() -> None:
         elif a.child == "train-step":
             figure = child_train_step(a.calls)
         else:
-            figure = child_train_step_vocab(a.calls, a.vocab, a.prompt_tokens, a.response_tokens)
+            figure = child_train_step_vocab(
+                a.calls, a.vocab, a.prompt_tokens, a.response_tokens, a.logits_chunk_mib
+            )
         print(figure, peak_rss_mb())
         return
     if not a.rev:
@@ -257,6 +273,7 @@ def main() -> None:
     record |= {"prefill_fraction": a.prefill_fraction} if a.what == "generate" else {}
     if a.what == "train-step-vocab":
         record |= {"vocab": a.vocab, "prompt_tokens": a.prompt_tokens, "response_tokens": a.response_tokens}
+        record |= {"logits_chunk_mib": a.logits_chunk_mib}
     print(json.dumps(record | {unit: figures, "speed_ratios": ratios, "peak_rss_mb": peaks}))
 
 

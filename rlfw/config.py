@@ -148,6 +148,8 @@ class TrainerConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     micro_batch_size: int = 16  # sequences per micro-batch (gradient accumulation fills the batch)
+    logits_chunk_mib: int = 1024  # the LM head runs over chunks of positions whose fp32 logits fit this
+    # many MiB, recomputed in the backward (with a real vocabulary they would be most of the memory); 0: all
     steps: int = 20  # optimizer steps in the run
     checkpoint_every: int = 5  # save a resumable checkpoint every this many steps (and at the end)
     max_skipped_steps: int = 3  # stop (exit 1) after this many skipped steps in a row (nothing to train
@@ -165,6 +167,7 @@ class TrainerConfig:
         check_range("trainer.weight_decay", self.weight_decay, lo=0.0)
         check_range("trainer.grad_clip", self.grad_clip, lo=0.0)
         check_range("trainer.micro_batch_size", self.micro_batch_size, lo=1)
+        check_range("trainer.logits_chunk_mib", self.logits_chunk_mib, lo=0)
         check_range("trainer.steps", self.steps, lo=1)
         check_range("trainer.checkpoint_every", self.checkpoint_every, lo=1)
         check_range("trainer.max_skipped_steps", self.max_skipped_steps, lo=1)

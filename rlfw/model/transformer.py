@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from rlfw.kernels import Ops, get_ops
 from rlfw.model.cache import KVCache
@@ -37,6 +39,11 @@ def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor,
 
 
 VALUE_HEAD = "value_head.weight"
+
+# A row-wise reader of scored logits: ``read(logits [m, V], row_of [c] | None, entries)`` -> tensors
+# ``[c, ...]`` for the scored entries ``entries`` (a slice of the ``n`` in row-major order), entry ``i``
+# of the slice reading logits row ``row_of[i]`` (``None``: row ``i``). See :meth:`Transformer.forward`.
+RowReader = Callable[[Tensor, Tensor | None, slice], tuple[Tensor, ...]]
 
 
 class Transformer(nn.Module):
@@ -178,7 +185,9 @@ class Transformer(nn.Module):
         routing: RouterTrace | None = None,
         with_values: bool = False,
         scored: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        read: RowReader | None = None,
+        chunk_rows: int = 0,
+    ) -> Tensor | tuple[Tensor, ...] | tuple[Tensor | tuple[Tensor, ...], Tensor]:
         """Logits ``[B, T, V]`` for ``input_ids [B, T]`` (and values ``[B, T]`` with ``with_values``).
 
         ``attention_mask [B, T]`` (1 = token, 0 = padding, left or right). ``cache``/``slots``: extend
@@ -189,13 +198,24 @@ class Transformer(nn.Module):
         entries in row-major order (a loss reads the response positions alone; with a real vocabulary
         the other positions' logits would be most of the forward's memory). Under batch-invariant
         kernels each row has the bits it has in the full ``[B, T, V]``.
+        ``read`` (with ``scored``): return ``read``'s outputs over the scored entries rather than their
+        logits, concatenated ``[n, ...]``; it is given the logits of the distinct computed tokens and
+        which row each entry reads, so no row is copied per entry. With ``chunk_rows > 0`` it runs over
+        chunks of that many entries and, when a gradient is recorded, each chunk's logits are recomputed
+        in the backward, so no ``[n, V]`` tensor is ever held (a real vocabulary's logits would be most
+        of a training step's memory). ``read`` must be row-wise; each output then has the unchunked bits.
         """
         if with_values and self.value_head is None:
             raise ValueError("with_values=True needs a value head: call attach_value_head() (algo=ppo does)")
         h, ctx = self._run(input_ids, attention_mask, cache=cache, slots=slots, routing=routing)
         # The heads run on the computed tokens; nothing keeps their packed output after the gather to
         # [B, T] (or to the scored entries), so the peak is that of the logits returned.
-        logits = self._head(h, ctx) if scored is None else self._scored_logits(h, ctx, scored)
+        if read is not None:
+            if scored is None:
+                raise ValueError("read= needs scored=: the entries whose logits it reads")
+            logits: Tensor | tuple[Tensor, ...] = self._read_scored(h, ctx, scored, read, chunk_rows)
+        else:
+            logits = self._head(h, ctx) if scored is None else self._scored_logits(h, ctx, scored)
         if not with_values:
             return logits
         assert self.value_head is not None
@@ -209,10 +229,43 @@ class Transformer(nn.Module):
         """The LM head at the ``scored [B, T]`` entries, ``[n, V]``: each distinct computed token among
         them once (samples of a group that drew the same first tokens share those rows), then one row
         per entry."""
+        rows, entry_row = self._scored_rows(h, ctx, scored)
+        logits = self._lm_head(rows, ctx)
+        return logits if entry_row is None else logits[entry_row]
+
+    def _scored_rows(self, h: Tensor, ctx: ForwardContext, scored: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The hidden rows ``[m, hidden]`` of the distinct computed tokens at the ``scored`` entries, and
+        each entry's row among them (``None``: one row per entry, in order)."""
         if ctx.packed is None:
-            return self._lm_head(h[scored], ctx)
+            return h[scored], None
         rows, inverse = torch.unique(ctx.packed.at[scored], return_inverse=True)
-        return self._lm_head(h[0, rows], ctx)[inverse]
+        return h[0, rows], inverse
+
+    def _read_scored(
+        self, h: Tensor, ctx: ForwardContext, scored: Tensor, read: RowReader, chunk_rows: int
+    ) -> tuple[Tensor, ...]:
+        """``read`` over the scored entries' logits, in chunks of ``chunk_rows`` entries (all at once
+        if 0). A chunk computed with a gradient keeps only its inputs: the backward recomputes its logits."""
+        rows, entry_row = self._scored_rows(h, ctx, scored)
+        n = int(scored.sum())
+        if chunk_rows <= 0 or n <= chunk_rows:
+            return read(self._lm_head(rows, ctx), entry_row, slice(0, n))
+
+        def chunk(rows: Tensor, entries: slice) -> tuple[Tensor, ...]:
+            if entry_row is None:
+                return read(self._lm_head(rows[entries], ctx), None, entries)
+            # each distinct row of the chunk once, as in the unchunked head
+            at, row_of = torch.unique(entry_row[entries], return_inverse=True)
+            return read(self._lm_head(rows[at], ctx), row_of, entries)
+
+        parts = []
+        for start in range(0, n, chunk_rows):
+            entries = slice(start, min(start + chunk_rows, n))
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(chunk, rows, entries, use_reentrant=False, preserve_rng_state=False))
+            else:
+                parts.append(chunk(rows, entries))
+        return tuple(torch.cat(p) for p in zip(*parts, strict=True))
 
     def _lm_head(self, h: Tensor, ctx: ForwardContext) -> Tensor:
         if self.lm_head is None:  # tied: the embedding matrix is the head

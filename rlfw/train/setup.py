@@ -254,6 +254,7 @@ def step_spec(run: RunConfig, setup: Setup) -> StepSpec:
         run.algo.kl_coef,
         run.algo.kl_estimator,
         run.algo.entropy_coef,
+        run.trainer.logits_chunk_mib,
     )
 
 

@@ -67,6 +67,7 @@ class StepSpec:
     kl_coef: float = 0.0  # weight of KL(policy || reference model); the caller keeps the reference
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0  # entropy bonus
+    logits_chunk_mib: int = 0  # the LM head in chunks of positions (trainer.logits_chunk_mib); 0: all at once
 
 
 def old_policy_logp(
@@ -75,7 +76,9 @@ def old_policy_logp(
     """The PPO reference ``[B, L-1]`` and, with ``head``, the reference at the sampler's top-k ids
     ``[B, L-1, K]`` (what ``dlc`` reads): the recorded engine stream's head, or the scoring pass's."""
     if spec.reference == "score":
-        return scoring_logp(backend.module, model, batch, spec.transforms, spec.micro_batch_size, topk=head)
+        return scoring_logp(
+            backend.module, model, batch, spec.transforms, spec.micro_batch_size, head, spec.logits_chunk_mib
+        )
     old, old_head = {
         "decode": (batch.decode_logp, batch.decode_topk_logp),
         "prefill": (batch.prefill_logp, batch.prefill_topk_logp),
@@ -118,7 +121,8 @@ def train_step(
         if spec.kl_coef > 0:
             if reference is None:
                 raise ValueError("algo.kl_coef > 0 needs the reference model (the trainer rank keeps it)")
-            ref_logp, _ = scoring_logp(reference, reference, batch, spec.transforms, spec.micro_batch_size)
+            micro, chunk_mib = spec.micro_batch_size, spec.logits_chunk_mib
+            ref_logp, _ = scoring_logp(reference, reference, batch, spec.transforms, micro, False, chunk_mib)
         q_parts: list[Tensor] = []
         mismatch: list[float] = []
         sums: dict[str, float] = defaultdict(float)
@@ -134,6 +138,7 @@ def train_step(
                 values=critic is not None,
                 entropy=True,
                 entropy_grad=spec.entropy_coef > 0,
+                chunk_mib=spec.logits_chunk_mib,
             )
             head = None if old_head is None else old_head[rows]
             inputs = loss_inputs(mb, out.logp, out.topk_logp, old[rows], num_tokens, num_sequences, head)
