@@ -181,11 +181,13 @@ class _Rows(torch.autograd.Function):
         g_logp = d.new_zeros(row_of.shape[0]) if g_logp is None else g_logp.float()
         if g_topk is not None:  # a top-k id the transforms removed passes no gradient
             g_topk = g_topk.float().masked_fill(topk == float("-inf"), 0.0)
-        # each row's sum of what its entries' reads pass back, and of their entropy gradients
-        total = d.new_zeros(m).index_add_(0, row_of, g_logp if g_topk is None else g_logp + g_topk.sum(-1))
+        # each row's sum of what its entries' reads pass back, and of their entropy gradients (index_put_
+        # accumulates in a fixed order on CUDA too, where index_add_ uses atomics)
+        g_entries = g_logp if g_topk is None else g_logp + g_topk.sum(-1)
+        total = d.new_zeros(m).index_put_((row_of,), g_entries, accumulate=True)
         row_g_ent = None
         if g_ent is not None and rows.entropy_grad:
-            row_g_ent = d.new_zeros(m).index_add_(0, row_of, g_ent.float())
+            row_g_ent = d.new_zeros(m).index_put_((row_of,), g_ent.float(), accumulate=True)
         step = max(1, ROW_BYTES // (4 * vocab))
         for a in range(0, m, step):
             block = d[a : a + step]

@@ -88,7 +88,10 @@ def test_the_reads_have_the_ops_bits_and_the_float64_gradient(
     z64 = z.detach().double().requires_grad_()
     (want,) = torch.autograd.grad(loss(*_float64_reads(z64, t, row_of, targets, topk_ids)), z64)
     assert grad.isfinite().all()
-    torch.testing.assert_close(grad.double(), want, rtol=0.0, atol=2e-6 * float(want.abs().max()))
+    # fp32 sums of the entries' weights: the error scales with them (a row whose support is one token
+    # has a zero gradient, reached as g - g * 1)
+    scale = float(want.abs().max()) + sum(float(x.abs().sum()) for x in w)
+    torch.testing.assert_close(grad.double(), want, rtol=0.0, atol=1e-6 * scale)
 
 
 @pytest.mark.parametrize("preset", ["tiny_dense", "tiny_moe"])
