@@ -16,7 +16,9 @@ and generates the same batch: ``--prompts`` prompts x ``--n`` samples of exactly
 * ``rlfw-vllm-noprefill``: the same with ``prefill_fraction=0`` (sampler and decode streams only).
 
 Sizes: ``13m`` (hidden 512, 4 layers, 8 heads / 4 KV heads of 64, MLP 1536, vocab 362) and ``76m``
-(hidden 768, 12 layers, 12 / 4 heads of 64, MLP 2048, vocab 362). ``--skip`` drops engines by name.
+(hidden 768, 12 layers, 12 / 4 heads of 64, MLP 2048, vocab 362). ``--vocab`` gives either a larger
+vocabulary (Qwen's is 151,936; tied embeddings, so the LM head grows with it and dominates a small model's
+FLOPs); the prompts' tokens are the same. ``--skip`` drops engines by name.
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ SIZES: dict[str, dict[str, int]] = {
 VOCAB = 362
 
 
-def hf_config(size: str) -> dict[str, Any]:
+def hf_config(size: str, vocab: int = VOCAB) -> dict[str, Any]:
     """The ``config.json`` fields of the benchmark's Qwen3 model of ``size``."""
     return {
         "model_type": "qwen3",
-        "vocab_size": VOCAB,
+        "vocab_size": vocab,
         "num_key_value_heads": 4,
         "head_dim": 64,
         "max_position_embeddings": 2048,
@@ -58,10 +60,10 @@ def hf_config(size: str) -> dict[str, Any]:
     }
 
 
-def write_checkpoint(size: str, folder: str) -> None:
+def write_checkpoint(size: str, folder: str, vocab: int = VOCAB) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    fields = {k: v for k, v in hf_config(size).items() if k != "model_type"}
+    fields = {k: v for k, v in hf_config(size, vocab).items() if k != "model_type"}
     cfg = Qwen3Config(torch_dtype="float32", **fields)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
@@ -130,10 +132,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (at least {VOCAB})")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip", nargs="*", default=[])
     ap.add_argument("--keep", help="also save the checkpoint in this folder (for bench/invariant_cost.py)")
     a = ap.parse_args()
+    if a.vocab < VOCAB:
+        ap.error(f"--vocab {a.vocab}: the prompts use token ids up to {VOCAB - 1}; give at least {VOCAB}")
 
     from rlfw.config import EngineConfig, SamplerConfig, VllmSettings
     from rlfw.model import from_pretrained
@@ -145,9 +150,9 @@ def main() -> None:
     slots, max_len = a.prompts * a.n, 32 + a.tokens
     calls: dict[str, Callable[[], int]] = {}
     with tempfile.TemporaryDirectory() as folder:
-        write_checkpoint(a.size, folder)
+        write_checkpoint(a.size, folder, a.vocab)
         if a.keep:
-            write_checkpoint(a.size, a.keep)
+            write_checkpoint(a.size, a.keep, a.vocab)
 
         def native(kernels: str, prefill_fraction: float = 1.0) -> Callable[[], int]:
             engine = NativeEngine(
@@ -211,6 +216,7 @@ def main() -> None:
         "machine": machine.describe(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "size": a.size,
+        "vocab": a.vocab,
         "batch": {"prompts": a.prompts, "n": a.n, "new_tokens": a.tokens, "reps": a.reps},
         "tokens_per_s": tok_s,
         "ratios": ratios,
