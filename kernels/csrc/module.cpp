@@ -25,6 +25,7 @@ std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const to
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor& u, bool keep_denom);
 torch::Tensor gumbel(const torch::Tensor& seeds, int64_t vocab);
+torch::Tensor gumbel_argmax(const torch::Tensor& logits, const torch::Tensor& seeds);
 bool vectorised();
 torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
                            const std::vector<int64_t>& outs, const std::vector<torch::Tensor>& norms, double eps,
@@ -59,6 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attention_backward", &attention_backward, "(dq, dk, dv) of attention over the batch's own K/V");
   mod.def("exp", &exp_f32_tensor, "the attention softmax's fp32 exp, elementwise (tests)");
   mod.def("gumbel", &gumbel, "seeded Gumbel noise [N, vocab], row i from seeds[i] alone (SplitMix64)");
+  mod.def("gumbel_argmax", &gumbel_argmax,
+          "argmax(logits + gumbel(seeds)) per row, ties to the lowest id, the noise computed where it can win");
   mod.def("cached_block", &cached_block,
           "a dense block over an engine's KV cache: the per-op path's kernel calls, in one call (same bits)");
   mod.def("paged_block", &paged_block,

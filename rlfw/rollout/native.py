@@ -272,7 +272,8 @@ class NativeEngine:
         free = [i for i, s in enumerate(seqs) if s.forced_T is None and not s.greedy]
         if free:
             seeds = torch.tensor([step_seed(seqs[i].seed, seqs[i].key, len(seqs[i].response)) for i in free])
-            tokens[free] = draw(sampler_BV[free], seeds).cpu()
+            rows = sampler_BV if len(free) == len(seqs) else sampler_BV[free]  # no copy when all draw
+            tokens[free] = draw(rows, seeds).cpu()
         greedy = [i for i, s in enumerate(seqs) if s.forced_T is None and s.greedy]
         if greedy:  # ties go to the lowest id, as torch.argmax breaks them
             tokens[greedy] = torch.argmax(sampler_BV[greedy], dim=-1).cpu()

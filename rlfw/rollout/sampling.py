@@ -8,10 +8,21 @@ only on (seed, sequence, step), not on the batch around it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
+
+ROW_BLOCK_BYTES = 4 << 20
+"""fp32 logits taken at a time by the per-row sampling work (a few rows of a real vocabulary, so each
+block's log-softmax temporaries stay in cache; a small vocabulary's whole batch in one block)."""
+
+
+def row_blocks(rows: int, vocab: int) -> Iterator[slice]:
+    """Consecutive blocks of ``rows`` rows of ``vocab`` fp32 logits, about :data:`ROW_BLOCK_BYTES` each."""
+    step = max(1, ROW_BLOCK_BYTES // (4 * max(vocab, 1)))
+    return (slice(a, min(a + step, rows)) for a in range(0, rows, step))
+
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -67,8 +78,31 @@ def gumbel_noise(seeds: Tensor, vocab: int) -> Tensor:
 
 
 def draw(processed: Tensor, seeds: Tensor) -> Tensor:
-    """Sample one token per row of fp32 processed logits ``[N, V]`` (Gumbel-max; ties to the lowest id)."""
-    return torch.argmax(processed + gumbel_noise(seeds, processed.shape[-1]).to(processed.device), dim=-1)
+    """Sample one token per row of fp32 processed logits ``[N, V]``: Gumbel-max with
+    :func:`gumbel_noise`, ties to the lowest id.
+
+    On the CPU the compiled ``gumbel_argmax`` draws the same token without computing every entry's noise
+    exactly (it bounds each entry first and evaluates only those that can win; a row with a NaN comes back
+    -1 and takes this exact path). Elsewhere, the noise of a block of rows at a time."""
+    from rlfw.kernels import cpu_native
+
+    if processed.device.type == "cpu" and processed.dtype == torch.float32 and processed.shape[-1] > 0:
+        tokens: Tensor = cpu_native.module().gumbel_argmax(processed, seeds.to(dtype=torch.long))
+        nan = (tokens < 0).nonzero(as_tuple=True)[0]
+        if nan.numel():
+            tokens[nan] = _exact_draw(processed[nan], seeds[nan])
+        return tokens
+    return _exact_draw(processed, seeds)
+
+
+def _exact_draw(processed: Tensor, seeds: Tensor) -> Tensor:
+    """``argmax(processed + noise)``, the noise of every entry, a block of rows at a time."""
+    vocab = processed.shape[-1]
+    blocks = [
+        torch.argmax(processed[r] + gumbel_noise(seeds[r], vocab).to(processed.device), dim=-1)
+        for r in row_blocks(*processed.shape)
+    ]
+    return torch.cat(blocks) if blocks else seeds.new_zeros(0, device=processed.device)
 
 
 def gets_prefill(seed: int, prompt_id: int, sample_index: int, fraction: float) -> bool:

@@ -5,10 +5,15 @@
 * ``decode_logp`` (s^D): the decode step's full-precision logits, same transforms.
 * ``prefill_logp`` (s^P): one prefill forward over the finished sequence, same transforms.
 
-All three are ``ops.token_logp(process_logits(logits), token)``, the exact expression the trainer
-replays, so under ``kernels=invariant`` and an fp32 sampler they agree bit for bit and any difference
-names its source. A token drawn by a reduced-precision sampler may lie outside the decode path's kept
-set (a top-k/top-p boundary moved); its ``decode_logp`` is then ``-inf``, reported, not hidden.
+All three are ``ops.log_softmax(process_logits(logits))`` at the token (the gather of the row's
+log-softmax, which ``ops.token_logp`` equals bit for bit on every backend), the exact expression the
+trainer replays, so under ``kernels=invariant`` and an fp32 sampler they agree bit for bit and any
+difference names its source. With a real vocabulary a batch's ``[B, V]`` logits outgrow the caches, so
+the per-row work runs over blocks of rows (:func:`row_blocks`): a row's result does not depend on its
+block under the invariant kernels, and each block's temporaries stay in cache.
+
+A token drawn by a reduced-precision sampler may lie outside the decode path's kept set (a top-k/top-p
+boundary moved); its ``decode_logp`` is then ``-inf``, reported, not hidden.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch import Tensor
 from rlfw.kernels import Ops
 from rlfw.model import Transformer
 from rlfw.model.distribution import Transforms, process_logits
-from rlfw.rollout.sampling import sampler_head
+from rlfw.rollout.sampling import row_blocks, sampler_head
 
 
 @dataclass
@@ -100,17 +105,6 @@ def next_token_logits(
     return NextTokenLogits(decode, sampler)
 
 
-def sampler_topk(ops: Ops, sampler_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The sampler's ``k`` most likely ids ``[B, k]`` and their log-probs (stable: ties to the lower id).
-
-    ``k`` is capped at the vocabulary size. Tokens outside the kept set carry ``-inf``; they appear
-    when fewer than ``k`` tokens survive the transforms.
-    """
-    logp = ops.log_softmax(sampler_BV)
-    k = min(k, logp.shape[-1])
-    return stable_topk(logp, k)
-
-
 def stable_topk(values_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest entries of each row, largest first, ties to the lower id: the first ``k`` of a
     stable descending sort, without sorting the whole vocabulary.
@@ -136,22 +130,21 @@ def stable_topk(values_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def token_streams(ops: Ops, logits: NextTokenLogits, tokens_B: Tensor, k: int) -> TokenStreams:
     """Sampler and decode log-probs of the chosen tokens, the sampler's top-k, and the decode stream at
-    those ids. When the sampler runs on the decode logits (fp32) both streams are one computation, made
-    once: the sampler's values are the decode stream's."""
-    topk_ids, topk_logp = sampler_topk(ops, logits.sampler, k)
-    sampler_logp = ops.token_logp(logits.sampler, tokens_B)
-    if logits.decode is logits.sampler:
-        decode_logp, decode_head = sampler_logp, topk_logp
-    else:
-        decode_logp = ops.token_logp(logits.decode, tokens_B)
-        decode_head = ops.log_softmax(logits.decode).gather(-1, topk_ids)
-    return TokenStreams(
-        sampler_logp=sampler_logp,
-        decode_logp=decode_logp,
-        topk_ids=topk_ids,
-        topk_logp=topk_logp,
-        decode_topk_logp=decode_head,
-    )
+    those ids, a block of rows at a time. When the sampler runs on the decode logits (fp32) both streams
+    are one computation, made once: the sampler's values are the decode stream's."""
+    blocks = []
+    for rows in row_blocks(*logits.sampler.shape):
+        logp = ops.log_softmax(logits.sampler[rows])
+        topk_ids, topk_logp = stable_topk(logp, min(k, logp.shape[-1]))
+        sampler_logp = logp.gather(-1, tokens_B[rows, None]).squeeze(-1)
+        if logits.decode is logits.sampler:
+            decode_logp, decode_head = sampler_logp, topk_logp
+        else:
+            decode = ops.log_softmax(logits.decode[rows])
+            decode_logp = decode.gather(-1, tokens_B[rows, None]).squeeze(-1)
+            decode_head = decode.gather(-1, topk_ids)
+        blocks.append(TokenStreams(sampler_logp, decode_logp, topk_ids, topk_logp, decode_head))
+    return TokenStreams(*(torch.cat(f) for f in zip(*(b._fields() for b in blocks), strict=True)))
 
 
 def response_logp(
@@ -171,6 +164,7 @@ def response_logp(
     t = response_T.shape[0]
     logits = model.ops.linear(hidden_SH[prompt_len - 1 : prompt_len - 1 + t], model.output_weight)
     processed = process_logits(logits, transforms)
-    logp = model.ops.token_logp(processed, response_T.to(processed.device)).cpu()
-    head = model.ops.log_softmax(processed).gather(-1, topk_ids_TK.to(processed.device)).cpu()
-    return logp, head
+    ids = torch.cat([response_T[:, None], topk_ids_TK], -1).to(processed.device)
+    blocks = [model.ops.log_softmax(processed[r]).gather(-1, ids[r]) for r in row_blocks(*processed.shape)]
+    read = torch.cat(blocks) if blocks else ids.new_zeros(ids.shape, dtype=torch.float32)
+    return read[:, 0].cpu(), read[:, 1:].cpu()

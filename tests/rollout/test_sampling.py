@@ -8,9 +8,12 @@ import struct
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlfw.rollout.sampling import draw, gumbel_noise, step_seed
 from tests.kernels.bits import assert_same_bits, torch_threads
+from tests.properties import examples
 
 M64 = 2**64
 
@@ -59,3 +62,37 @@ def test_tokens_without_probability_are_never_drawn() -> None:
     logits = torch.full((64, 7), float("-inf"))
     logits[:, 4] = 0.0  # top-k / top-p leave -inf; the finite logit takes every draw
     assert draw(logits, torch.arange(64)).tolist() == [4] * 64
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    data=st.data(),
+    rows=st.integers(1, 12),
+    vocab=st.integers(1, 3000),
+    scale=st.sampled_from([0.0, 1e-6, 0.3, 3.0, 40.0, 1e5]),
+)
+def test_the_compiled_draw_is_the_exact_argmax(
+    data: st.DataObject, rows: int, vocab: int, scale: float
+) -> None:
+    """``draw`` on the CPU bounds every entry with a cheap log and computes the exact noise only where an
+    entry can win; its token is ``argmax(logits + gumbel_noise)``'s, ties to the lowest id, on drawn
+    logits with masked (-inf) and infinite entries, rows of one finite entry, forced ties and NaN rows."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), "seed"))
+    seeds = torch.randint(0, 2**62, (rows,), generator=g)
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    noise = gumbel_noise(seeds, vocab)
+    for r in range(rows):
+        case = data.draw(st.sampled_from(["plain", "masked", "ties", "inf", "all-masked", "nan"]), f"row {r}")
+        if case == "masked":  # what top-k / top-p leave
+            logits[r, torch.rand(vocab, generator=g) < 0.9] = float("-inf")
+        elif case == "ties":  # entries whose noisy value is the same float: the lowest id must win
+            tied = torch.randint(0, vocab, (3,), generator=g)
+            logits[r, tied] = logits[r].max() + 50.0 - noise[r, tied]
+        elif case == "inf":
+            logits[r, torch.randint(0, vocab, (2,), generator=g)] = float("inf")
+        elif case == "all-masked":
+            logits[r] = float("-inf")
+        elif case == "nan":
+            logits[r, torch.randint(0, vocab, (1,), generator=g)] = float("nan")
+    want = torch.argmax(logits + noise, dim=-1)
+    assert draw(logits, seeds).tolist() == want.tolist()
