@@ -10,6 +10,7 @@ is reduced by the same program whatever the number of rows.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -23,8 +24,15 @@ def row_sum(x: Tensor) -> Tensor:
     d = x.shape[-1]
     if d <= SUM_CHUNK:
         return x.sum(-1)
-    x = F.pad(x, (0, (-d) % SUM_CHUNK))
-    return x.unflatten(-1, (-1, SUM_CHUNK)).sum(-1).sum(-1)
+    # The whole chunks are summed in place; only the last, partial one is copied to be zero-padded (a
+    # padded copy of the whole row would be a second pass over a real vocabulary's logits). Each chunk
+    # is the same contiguous run of SUM_CHUNK elements either way, so the same sum.
+    full = d - d % SUM_CHUNK
+    sums = x[..., :full].unflatten(-1, (-1, SUM_CHUNK)).sum(-1)
+    if full < d:
+        tail = F.pad(x[..., full:], (0, SUM_CHUNK - (d - full))).sum(-1, keepdim=True)
+        sums = torch.cat([sums, tail], -1)
+    return sums.sum(-1)
 
 
 def row_max(x: Tensor) -> Tensor:
