@@ -26,6 +26,7 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor&
 std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor& u, bool keep_denom);
 torch::Tensor gumbel(const torch::Tensor& seeds, int64_t vocab);
 torch::Tensor gumbel_argmax(const torch::Tensor& logits, const torch::Tensor& seeds);
+std::vector<torch::Tensor> stable_topk(const torch::Tensor& values, int64_t k);
 bool vectorised();
 torch::Tensor cached_block(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
                            const std::vector<int64_t>& outs, const std::vector<torch::Tensor>& norms, double eps,
@@ -62,6 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gumbel", &gumbel, "seeded Gumbel noise [N, vocab], row i from seeds[i] alone (SplitMix64)");
   mod.def("gumbel_argmax", &gumbel_argmax,
           "argmax(logits + gumbel(seeds)) per row, ties to the lowest id, the noise computed where it can win");
+  mod.def("stable_topk", &stable_topk, "(ids, values) of each row's k largest, ties to the lower id (one pass)");
   mod.def("cached_block", &cached_block,
           "a dense block over an engine's KV cache: the per-op path's kernel calls, in one call (same bits)");
   mod.def("paged_block", &paged_block,

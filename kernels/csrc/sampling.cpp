@@ -99,7 +99,7 @@ int64_t draw_row(const float* x, int64_t vocab, uint64_t seed, std::vector<int64
       high[i] = a + m;
     }
     for (int64_t i = 0; i < n; ++i) {
-      nan |= x[j0 + i] != x[j0 + i];
+      nan += x[j0 + i] != x[j0 + i];
       block_low = std::max(block_low, low[i]);
     }
     best_low = block_low > best_low ? block_low : best_low;
@@ -142,4 +142,76 @@ torch::Tensor gumbel_argmax(const torch::Tensor& logits, const torch::Tensor& se
     }
   });
   return out;
+}
+
+// The k largest entries of each row, largest first, ties to the lower id: the first k of a stable
+// descending sort. One pass keeps the k best seen so far, ordered by (value descending, id ascending); an
+// entry enters only if it is strictly larger than the worst kept one (an equal one has a higher id and
+// loses the tie), so most entries cost one compare. Rows holding a NaN (which torch's sort places first)
+// return id -1 in their first column: the caller sorts those itself.
+namespace {
+
+constexpr int64_t kScan = 64;
+
+bool topk_row(const float* x, int64_t vocab, int64_t k, int64_t* ids, float* vals) {
+  // kept[0 .. k) in ascending rank: kept[0] is the worst (smallest value, then highest id)
+  std::vector<std::pair<float, int64_t>> kept;
+  kept.reserve(k);
+  const auto worse = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);  // a ranks below b
+  };
+  for (int64_t j = 0; j < k; ++j) {
+    if (x[j] != x[j]) return false;
+    kept.emplace_back(x[j], j);
+  }
+  std::sort(kept.begin(), kept.end(), worse);
+  float floor = kept[0].first;
+  for (int64_t j0 = k; j0 < vocab; j0 += kScan) {
+    const int64_t n = std::min(kScan, vocab - j0);
+    int64_t enters = 0, nan = 0;
+    for (int64_t i = 0; i < n; ++i) {  // vectorised: two counts
+      enters += x[j0 + i] > floor;
+      nan += x[j0 + i] != x[j0 + i];
+    }
+    if (nan) return false;
+    if (!enters) continue;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x[j0 + i];
+      if (!(v > floor)) continue;
+      // drop the worst, insert (v, j) at its rank (ids ascend, so an equal value ranks below the kept one)
+      int64_t at = 0;
+      while (at + 1 < k && !worse(std::make_pair(v, j0 + i), kept[at + 1])) {
+        kept[at] = kept[at + 1];
+        ++at;
+      }
+      kept[at] = std::make_pair(v, j0 + i);
+      floor = kept[0].first;
+    }
+  }
+  for (int64_t r = 0; r < k; ++r) {
+    ids[r] = kept[k - 1 - r].second;
+    vals[r] = kept[k - 1 - r].first;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> stable_topk(const torch::Tensor& values, int64_t k) {
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.dim() == 2 && values.device().is_cpu(),
+              "stable_topk: values must be a 2-d fp32 CPU tensor");
+  const auto x = values.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= vocab, "stable_topk: k must be in [1, vocab]");
+  auto ids = torch::empty({rows, k}, torch::TensorOptions().dtype(at::kLong));
+  auto vals = torch::empty({rows, k}, torch::TensorOptions().dtype(at::kFloat));
+  const float* xp = x.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* vp = vals.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (!topk_row(xp + r * vocab, vocab, k, ip + r * k, vp + r * k)) ip[r * k] = -1;
+    }
+  });
+  return {ids, vals};
 }

@@ -109,10 +109,25 @@ def stable_topk(values_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest entries of each row, largest first, ties to the lower id: the first ``k`` of a
     stable descending sort, without sorting the whole vocabulary.
 
+    On the CPU the compiled ``stable_topk`` keeps the ``k`` best in one pass (rows holding a NaN come back
+    with id -1 and take the sort below, which places NaN first as torch does). Elsewhere
     ``torch.topk`` finds the set; where no tie crosses its boundary (the k-th value is strictly larger
     than every entry left out) the set is exact, and ordering it by (value descending, id ascending) is
     a sort of ``k`` entries. Rows with a tie at the boundary take the full stable sort.
     """
+    if k > 0 and values_BV.device.type == "cpu" and values_BV.dtype == torch.float32:
+        from rlfw.kernels import cpu_native
+
+        ids, top = cpu_native.module().stable_topk(values_BV, k)
+        nan = (ids[:, 0] < 0).nonzero(as_tuple=True)[0]
+        if nan.numel():
+            ids[nan], top[nan] = _sorted_topk(values_BV[nan], k)
+        return ids, top
+    return _sorted_topk(values_BV, k)
+
+
+def _sorted_topk(values_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """:func:`stable_topk` with torch's ops."""
     if k == 0:
         return values_BV.new_zeros(values_BV.shape[0], 0, dtype=torch.long), values_BV[:, :0]
     top, ids = torch.topk(values_BV, k, dim=-1)
