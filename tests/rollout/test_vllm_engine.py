@@ -474,3 +474,20 @@ def test_reduced_precision_sampler_moves_the_sampler_factor_alone(
         assert torch.equal(s.sampler_logp, model.ops.token_logp(process_logits(head, t), s.response_T))
         moved.append(s.decode_logp - s.sampler_logp)
     assert (torch.cat(moved) != 0).float().mean() > 0.5, "the sampler's precision must show"
+
+
+@pytest.mark.parametrize("transforms", [None, Transforms(temperature=0.7, top_k=40)])
+def test_the_shared_log_softmax_in_blocks_keeps_the_invariant_bits(transforms: Transforms | None) -> None:
+    """Inside vLLM every CPU log-softmax is the invariant one of the processed rows, a few rows of a long
+    vocabulary at a time: each row gets the bits of the whole batch's computation, in any layout."""
+    from rlfw.kernels.softmax import log_softmax
+    from rlfw.rollout.vllm.attention import shared_log_softmax
+
+    x = torch.randn(3, 5, 200_003, generator=torch.Generator().manual_seed(0))  # several blocks of rows
+    processed = x if transforms is None else process_logits(x, transforms)
+    want = log_softmax(processed)
+    with shared_log_softmax(True, transforms):
+        last = torch.log_softmax(x, dim=-1)
+        middle = torch.log_softmax(x.transpose(1, 2), dim=1).transpose(1, 2)
+    assert torch.equal(last.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(middle.view(torch.int32), want.view(torch.int32))

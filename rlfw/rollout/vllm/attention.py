@@ -35,6 +35,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 from rlfw.kernels.attention import paged_attention, paged_store
 from rlfw.kernels.softmax import log_softmax
 from rlfw.model.distribution import Transforms, process_logits
+from rlfw.rollout.sampling import row_blocks
 
 
 class SharedPagedAttention(CPUAttentionBackendImpl):
@@ -123,7 +124,12 @@ def _log_softmax_cpu(transforms: Transforms | None) -> Any:
 
     def impl(x: Tensor, dim: int, half_to_float: bool) -> Tensor:
         rows = x.movedim(dim, -1)
-        out = log_softmax(rows if transforms is None else process_logits(rows, transforms))
+        flat = rows.reshape(-1, rows.shape[-1])
+        blocks = [  # a few rows of a real vocabulary at a time, in cache (a row's bits do not depend on it)
+            log_softmax(flat[r] if transforms is None else process_logits(flat[r], transforms))
+            for r in row_blocks(*flat.shape)
+        ]
+        out = (torch.cat(blocks) if blocks else flat.float()).reshape(rows.shape)
         return out.to(torch.float32 if half_to_float else x.dtype).movedim(-1, dim).contiguous()
 
     return impl
