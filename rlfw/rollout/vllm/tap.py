@@ -47,6 +47,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from rlfw.kernels import get_ops
 from rlfw.model.distribution import Transforms, process_logits
+from rlfw.rollout.sampling import row_blocks
 
 TAP_KEY = "rlfw_tap"
 
@@ -188,8 +189,12 @@ class DecodeTap(LogitsProcessor):
             full = logits
             if STEP_DECODE_LOGITS and STEP_DECODE_LOGITS[0].shape == logits.shape:
                 full = STEP_DECODE_LOGITS[0]  # vLLM samples from a reduced-precision head's logits
-            processed = process_logits(full.index_select(0, index), first.transforms)
-            logp = ops.log_softmax(processed).cpu()
+            # a few rows of a real vocabulary at a time, in cache (a row's bits do not depend on its block)
+            blocks = [
+                ops.log_softmax(process_logits(full.index_select(0, index[r]), first.transforms))
+                for r in row_blocks(len(live), full.shape[-1])
+            ]
+            logp = torch.cat(blocks).cpu()
             for row, (i, t) in enumerate(live):
                 t.resolve()
                 t.pending = logp[row]
