@@ -182,4 +182,4 @@ def response_logp(
     ids = torch.cat([response_T[:, None], topk_ids_TK], -1).to(processed.device)
     blocks = [model.ops.log_softmax(processed[r]).gather(-1, ids[r]) for r in row_blocks(*processed.shape)]
     read = torch.cat(blocks) if blocks else ids.new_zeros(ids.shape, dtype=torch.float32)
-    return read[:, 0].cpu(), read[:, 1:].cpu()
+    return read[:, 0].contiguous().cpu(), read[:, 1:].contiguous().cpu()  # a sample's own tensors
