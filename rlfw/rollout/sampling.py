@@ -86,7 +86,7 @@ def draw(processed: Tensor, seeds: Tensor) -> Tensor:
     -1 and takes this exact path). Elsewhere, the noise of a block of rows at a time."""
     from rlfw.kernels import cpu_native
 
-    if processed.device.type == "cpu" and processed.dtype == torch.float32 and processed.shape[-1] > 0:
+    if cpu_native.serves(processed) and processed.shape[-1] > 0:
         tokens: Tensor = cpu_native.module().gumbel_argmax(processed, seeds.to(dtype=torch.long))
         nan = (tokens < 0).nonzero(as_tuple=True)[0]
         if nan.numel():

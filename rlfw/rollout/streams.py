@@ -115,9 +115,9 @@ def stable_topk(values_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
     than every entry left out) the set is exact, and ordering it by (value descending, id ascending) is
     a sort of ``k`` entries. Rows with a tie at the boundary take the full stable sort.
     """
-    if k > 0 and values_BV.device.type == "cpu" and values_BV.dtype == torch.float32:
-        from rlfw.kernels import cpu_native
+    from rlfw.kernels import cpu_native
 
+    if k > 0 and cpu_native.serves(values_BV):
         ids, top = cpu_native.module().stable_topk(values_BV, k)
         nan = (ids[:, 0] < 0).nonzero(as_tuple=True)[0]
         if nan.numel():
