@@ -9,6 +9,7 @@ The max is detached: the shift cancels mathematically, and detaching keeps the g
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from rlfw.kernels.reduce import row_max, row_sum
@@ -21,10 +22,10 @@ def row_stats(logits: Tensor) -> tuple[Tensor, Tensor]:
     return shifted, row_sum(shifted.exp()).log()
 
 
-def log_softmax(logits: Tensor) -> Tensor:
-    """fp32 log-softmax over the last dim."""
+def log_softmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
+    """fp32 log-softmax over the last dim (written into ``out`` when given: the same bits)."""
     shifted, lse = row_stats(logits)
-    return shifted - lse.unsqueeze(-1)
+    return torch.sub(shifted, lse.unsqueeze(-1), out=out)
 
 
 def token_logp(logits: Tensor, ids: Tensor) -> Tensor:

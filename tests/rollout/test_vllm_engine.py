@@ -491,3 +491,24 @@ def test_the_shared_log_softmax_in_blocks_keeps_the_invariant_bits(transforms: T
         middle = torch.log_softmax(x.transpose(1, 2), dim=1).transpose(1, 2)
     assert torch.equal(last.view(torch.int32), want.view(torch.int32))
     assert torch.equal(middle.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7], [0, 2, 3, 5, 8, 9, 10]])
+def test_the_decode_tap_reads_each_tracked_row_and_leaves_the_logits_alone(rows: list[int]) -> None:
+    """The tap's pending row of each tracked request is the processed log-softmax of that request's row
+    of the step's logits (a long vocabulary: several blocks; tracked rows in a run or with gaps), and
+    vLLM's logits come back unchanged."""
+    from rlfw.kernels.softmax import log_softmax
+    from rlfw.rollout.vllm.tap import DecodeTap, Tracked
+
+    t = Transforms(temperature=0.7, top_k=40)
+    logits = torch.randn(11, 200_003, generator=torch.Generator().manual_seed(1))
+    before = logits.clone()
+    tap = DecodeTap.__new__(DecodeTap)
+    tap.rows = {i: Tracked(t, "invariant", []) for i in rows}
+    assert tap.apply(logits) is logits
+    assert torch.equal(logits, before)
+    want = log_softmax(process_logits(logits, t))
+    for i in rows:
+        pending = tap.rows[i].pending
+        assert pending is not None and torch.equal(pending.view(torch.int32), want[i].view(torch.int32))

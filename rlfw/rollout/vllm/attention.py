@@ -125,11 +125,12 @@ def _log_softmax_cpu(transforms: Transforms | None) -> Any:
     def impl(x: Tensor, dim: int, half_to_float: bool) -> Tensor:
         rows = x.movedim(dim, -1)
         flat = rows.reshape(-1, rows.shape[-1])
-        blocks = [  # a few rows of a real vocabulary at a time, in cache (a row's bits do not depend on it)
-            log_softmax(flat[r] if transforms is None else process_logits(flat[r], transforms))
-            for r in row_blocks(*flat.shape)
-        ]
-        out = (torch.cat(blocks) if blocks else flat.float()).reshape(rows.shape)
+        out = torch.empty(flat.shape, dtype=torch.float32)
+        # a few rows of a real vocabulary at a time, in cache, each block written where it belongs (a
+        # row's bits do not depend on its block)
+        for r in row_blocks(*flat.shape):
+            log_softmax(flat[r] if transforms is None else process_logits(flat[r], transforms), out=out[r])
+        out = out.reshape(rows.shape)
         return out.to(torch.float32 if half_to_float else x.dtype).movedim(-1, dim).contiguous()
 
     return impl

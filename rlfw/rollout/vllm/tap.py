@@ -185,19 +185,27 @@ class DecodeTap(LogitsProcessor):
         if live:
             first = live[0][1]
             ops = get_ops(first.kernels)
-            index = torch.tensor([i for i, _ in live], device=logits.device)
             full = logits
             if STEP_DECODE_LOGITS and STEP_DECODE_LOGITS[0].shape == logits.shape:
                 full = STEP_DECODE_LOGITS[0]  # vLLM samples from a reduced-precision head's logits
-            # a few rows of a real vocabulary at a time, in cache (a row's bits do not depend on its block)
-            blocks = [
-                ops.log_softmax(process_logits(full.index_select(0, index[r]), first.transforms))
-                for r in row_blocks(len(live), full.shape[-1])
-            ]
-            logp = torch.cat(blocks).cpu()
-            for row, (i, t) in enumerate(live):
-                t.resolve()
-                t.pending = logp[row]
-                if i < len(STEP_ROUTING):
-                    t.routing.append(STEP_ROUTING[i])
+            ids = [i for i, _ in live]
+            index = (
+                None
+                if ids == list(range(ids[0], ids[0] + len(ids)))
+                else torch.tensor(ids, device=full.device)
+            )
+            # a few rows of a real vocabulary at a time, in cache (a row's bits do not depend on its block);
+            # each row's pending log-probs are a row of its block's
+            for r in row_blocks(len(live), full.shape[-1]):
+                rows = (
+                    full[ids[0] + r.start : ids[0] + r.stop]
+                    if index is None
+                    else full.index_select(0, index[r])
+                )
+                block = ops.log_softmax(process_logits(rows, first.transforms)).cpu()
+                for row, (i, t) in zip(block, live[r], strict=True):
+                    t.resolve()
+                    t.pending = row
+                    if i < len(STEP_ROUTING):
+                        t.routing.append(STEP_ROUTING[i])
         return logits
