@@ -21,6 +21,11 @@ Sizes: ``13m`` (hidden 512, 4 layers, 8 heads / 4 KV heads of 64, MLP 1536, voca
 (hidden 768, 12 layers, 12 / 4 heads of 64, MLP 2048, vocab 362). ``--vocab`` gives either a larger
 vocabulary (Qwen's is 151,936; tied embeddings, so the LM head grows with it and dominates a small model's
 FLOPs); the prompts' tokens are the same. ``--skip`` drops engines by name.
+
+Every engine runs in this one process, which keeps the memory it frees as rlfw's engine actors do
+(:func:`rlfw.distributed.cluster.keep_freed_memory`), so the peers get the same allocator setting;
+``--glibc-defaults`` leaves glibc alone for all of them (the setting the results before 2026-12-07 ran
+with). vLLM's CPU guide recommends preloading TCMalloc for the same reason.
 """
 
 from __future__ import annotations
@@ -153,7 +158,11 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[])
     ap.add_argument("--only", nargs="*", help="run only these engines (vllm-topk included when named)")
     ap.add_argument("--keep", help="also save the checkpoint in this folder (for bench/invariant_cost.py)")
+    ap.add_argument("--glibc-defaults", action="store_true", help="do not keep freed memory (any engine)")
     a = ap.parse_args()
+    from rlfw.distributed.cluster import keep_freed_memory
+
+    kept_heap = False if a.glibc_defaults else keep_freed_memory()
     if a.only is not None:
         a.skip = [e for e in ENGINES if e not in a.only]
     elif "vllm-topk" not in a.skip:
@@ -239,6 +248,7 @@ def main() -> None:
     }
     result = {
         "machine": machine.describe(),
+        "freed_memory_kept": kept_heap,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "size": a.size,
         "vocab": a.vocab,

@@ -70,7 +70,8 @@ MALLOC_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
 KEEP_FREED_MEMORY_ENV = "RLFW_KEEP_FREED_MEMORY"
 """Set to ``0`` to leave glibc's defaults in every actor (the driver passes it on)."""
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
-_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit hosts
+_MMAP_THRESHOLD = 64 * 1024 * 1024  # a step's logits at a real vocabulary (64 x 151,936 fp32: 39 MB) fit
+_MMAP_THRESHOLD_DOCUMENTED = 32 * 1024 * 1024  # mallopt(3)'s documented ceiling, for a glibc refusing more
 _TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: keep up to 2 GiB of free heap top
 
 
@@ -83,9 +84,17 @@ def keep_freed_memory() -> bool:
     heap whose free top grows past another threshold is trimmed. The next allocation then touches fresh
     pages, one page fault each, which the kernel zero-fills. On a 2-core VM that was 40,000 faults and up
     to 1.1 s of system time in one 4.5 s train step of the 13M model, and 70,000 faults in a 3.4 s
-    ``generate`` (bench/RESULTS.md). With blocks below 32 MiB served from the heap and the heap trimmed
+    ``generate`` (bench/RESULTS.md). With blocks up to 64 MiB served from the heap and the heap trimmed
     only past 2 GiB of free top, a steady step reuses the pages it touched before (no faults after the
-    first step). The peak resident memory is the same; it is kept rather than given back between steps.
+    first few steps). The memory is kept rather than given back between steps.
+
+    64 MiB, not mallopt(3)'s documented ceiling of 32 MiB: a step's logits at a real vocabulary pass
+    32 MiB (64 rows of 151,936 fp32 logits: 39 MB, faulted in afresh at 17 ms a block on that VM, 1.2
+    ms from the heap); glibc 2.36 takes it for the main arena, and a glibc that refuses gets 32 MiB. Not
+    more: torch allocates with ``posix_memalign``, whose over-sized requests do not fit the exact
+    blocks freed before, so a heap serving blocks this size settles only after holding a few times the
+    live set (two 48 MiB tensors a step: 433 MiB held after five steps, then no growth); blocks above
+    the threshold stay mapped and unmapped per use.
 
     glibc only (elsewhere a no-op returning False). Nothing is changed (False) in a process started with
     ``RLFW_KEEP_FREED_MEMORY=0``, or with ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` set, or
@@ -106,10 +115,9 @@ def keep_freed_memory() -> bool:
     libc = ctypes.CDLL(None)
     if not hasattr(libc, "gnu_get_libc_version"):  # musl and others: their mallopt differs or is a stub
         return False
-    return bool(
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
-        and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
-    )
+    mapped = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
+    mapped = mapped or libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_DOCUMENTED) == 1
+    return bool(mapped and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
 
 
 def init_ray(num_rollout: int, num_trainer: int, address: str | None = None) -> None:
