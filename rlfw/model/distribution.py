@@ -13,10 +13,22 @@ kept); top-p ranks tokens by a stable descending sort (equal probabilities: lowe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+ROW_BLOCK_BYTES = 4 << 20
+"""fp32 logits taken at a time by per-row work over a distribution (a few rows of a real vocabulary, so
+each block's temporaries stay in cache; a small vocabulary's whole batch in one block)."""
+
+
+def row_blocks(rows: int, vocab: int, block_bytes: int = ROW_BLOCK_BYTES) -> Iterator[slice]:
+    """Consecutive blocks of ``rows`` rows of ``vocab`` fp32 logits, about ``block_bytes`` each (at least
+    one row). Under the invariant kernels a row's result does not depend on its block."""
+    step = max(1, block_bytes // (4 * max(vocab, 1)))
+    return (slice(a, min(a + step, rows)) for a in range(0, rows, step))
 
 
 @dataclass(frozen=True)

@@ -8,21 +8,12 @@ only on (seed, sequence, step), not on the batch around it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-ROW_BLOCK_BYTES = 4 << 20
-"""fp32 logits taken at a time by the per-row sampling work (a few rows of a real vocabulary, so each
-block's log-softmax temporaries stay in cache; a small vocabulary's whole batch in one block)."""
-
-
-def row_blocks(rows: int, vocab: int) -> Iterator[slice]:
-    """Consecutive blocks of ``rows`` rows of ``vocab`` fp32 logits, about :data:`ROW_BLOCK_BYTES` each."""
-    step = max(1, ROW_BLOCK_BYTES // (4 * max(vocab, 1)))
-    return (slice(a, min(a + step, rows)) for a in range(0, rows, step))
-
+from rlfw.model.distribution import row_blocks
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

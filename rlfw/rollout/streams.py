@@ -25,8 +25,8 @@ from torch import Tensor
 
 from rlfw.kernels import Ops
 from rlfw.model import Transformer
-from rlfw.model.distribution import Transforms, process_logits
-from rlfw.rollout.sampling import row_blocks, sampler_head
+from rlfw.model.distribution import Transforms, process_logits, row_blocks
+from rlfw.rollout.sampling import sampler_head
 
 
 @dataclass

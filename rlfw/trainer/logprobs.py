@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from rlfw.model import RouterTrace, Transformer
-from rlfw.model.distribution import Transforms, process_logits
+from rlfw.model.distribution import Transforms, process_logits, row_blocks
 from rlfw.types import TrainBatch
 
 
@@ -130,12 +130,11 @@ class DistributionRows:
             m, vocab = logits.shape
             logp = torch.empty((m, vocab), dtype=torch.float32, device=logits.device)
             ent = logp.new_empty(m) if self.entropy else None
-            step = max(1, ROW_BYTES // (4 * vocab))
-            for a in range(0, m, step):
-                block = logp[a : a + step]
-                block.copy_(self.log_softmax(process_logits(logits[a : a + step], self.t)))
+            for r in row_blocks(m, vocab, ROW_BYTES):
+                block = logp[r]
+                block.copy_(self.log_softmax(process_logits(logits[r], self.t)))
                 if ent is not None:  # -sum p log p, a token masked to -inf counting 0
-                    ent[a : a + step] = -block.exp().mul_(block).nan_to_num_().sum(-1)
+                    ent[r] = -block.exp().mul_(block).nan_to_num_().sum(-1)
             rows = torch.arange(m, device=logp.device) if row_of is None else row_of
             taken = logp[rows[:, None], targets].squeeze(-1)
             topk = None if topk_ids is None else logp[rows[:, None], topk_ids]
@@ -188,15 +187,14 @@ class _Rows(torch.autograd.Function):
         row_g_ent = None
         if g_ent is not None and rows.entropy_grad:
             row_g_ent = d.new_zeros(m).index_put_((row_of,), g_ent.float(), accumulate=True)
-        step = max(1, ROW_BYTES // (4 * vocab))
-        for a in range(0, m, step):
-            block = d[a : a + step]
+        for r in row_blocks(m, vocab, ROW_BYTES):
+            block = d[r]
             p = block.exp()
             if row_g_ent is not None:  # dH/dz = -p (log p + H); p log p reads 0 where p is 0
-                block.add_(ent[a : a + step, None]).mul_(p).nan_to_num_().mul_(-row_g_ent[a : a + step, None])
-                block.sub_(p.mul_(total[a : a + step, None]))
+                block.add_(ent[r, None]).mul_(p).nan_to_num_().mul_(-row_g_ent[r, None])
+                block.sub_(p.mul_(total[r, None]))
             else:
-                torch.mul(p, total[a : a + step, None].neg(), out=block)
+                torch.mul(p, total[r, None].neg(), out=block)
         d.index_put_((row_of[:, None], targets), g_logp[:, None], accumulate=True)
         if g_topk is not None:
             d.index_put_((row_of[:, None], topk_ids), g_topk, accumulate=True)

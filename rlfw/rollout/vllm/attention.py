@@ -34,8 +34,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from rlfw.kernels.attention import paged_attention, paged_store
 from rlfw.kernels.softmax import log_softmax
-from rlfw.model.distribution import Transforms, process_logits
-from rlfw.rollout.sampling import row_blocks
+from rlfw.model.distribution import Transforms, process_logits, row_blocks
 
 
 class SharedPagedAttention(CPUAttentionBackendImpl):

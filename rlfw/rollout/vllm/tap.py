@@ -46,8 +46,7 @@ from torch import Tensor
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from rlfw.kernels import get_ops
-from rlfw.model.distribution import Transforms, process_logits
-from rlfw.rollout.sampling import row_blocks
+from rlfw.model.distribution import Transforms, process_logits, row_blocks
 
 TAP_KEY = "rlfw_tap"
 
