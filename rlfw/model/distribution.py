@@ -24,10 +24,10 @@ ROW_BLOCK_BYTES = 4 << 20
 each block's temporaries stay in cache; a small vocabulary's whole batch in one block)."""
 
 
-def row_blocks(rows: int, vocab: int, block_bytes: int = ROW_BLOCK_BYTES) -> Iterator[slice]:
-    """Consecutive blocks of ``rows`` rows of ``vocab`` fp32 logits, about ``block_bytes`` each (at least
-    one row). Under the invariant kernels a row's result does not depend on its block."""
-    step = max(1, block_bytes // (4 * max(vocab, 1)))
+def row_blocks(rows: int, vocab: int) -> Iterator[slice]:
+    """Consecutive blocks of ``rows`` rows of ``vocab`` fp32 logits, about :data:`ROW_BLOCK_BYTES` each
+    (at least one row). Under the invariant kernels a row's result does not depend on its block."""
+    step = max(1, ROW_BLOCK_BYTES // (4 * max(vocab, 1)))
     return (slice(a, min(a + step, rows)) for a in range(0, rows, step))
 
 

@@ -94,11 +94,6 @@ def trainer_logp(
     return TrainerLogp(logp, topk_logp, mismatch, v, ent)
 
 
-# Rows of a [m, V] distribution processed at a time: the transforms', log-softmax's and entropy's
-# temporaries stay this size (32 MiB of fp32) instead of [m, V] each.
-ROW_BYTES = 32 << 20
-
-
 @dataclass(frozen=True)
 class DistributionRows:
     """The reads of the LM head's logits that a step needs at each scored entry: the log-prob of its
@@ -113,7 +108,8 @@ class DistributionRows:
     exponentials, the log-softmax and several ``[m, V]`` gradients, and it gives NaN for an entropy
     bonus under a transform that masks tokens. The forward values are those of
     ``log_softmax(process_logits(logits, t))`` gathered, bit for bit: the same ops, a block of rows at
-    a time, and a row's result does not depend on its block under the invariant kernels.
+    a time (:func:`~rlfw.model.distribution.row_blocks`: 4 MiB of logits, whose temporaries stay in
+    cache), and a row's result does not depend on its block under the invariant kernels.
     """
 
     log_softmax: Callable[[Tensor], Tensor]
@@ -130,7 +126,7 @@ class DistributionRows:
             m, vocab = logits.shape
             logp = torch.empty((m, vocab), dtype=torch.float32, device=logits.device)
             ent = logp.new_empty(m) if self.entropy else None
-            for r in row_blocks(m, vocab, ROW_BYTES):
+            for r in row_blocks(m, vocab):
                 block = logp[r]
                 block.copy_(self.log_softmax(process_logits(logits[r], self.t)))
                 if ent is not None:  # -sum p log p, a token masked to -inf counting 0
@@ -187,7 +183,7 @@ class _Rows(torch.autograd.Function):
         row_g_ent = None
         if g_ent is not None and rows.entropy_grad:
             row_g_ent = d.new_zeros(m).index_put_((row_of,), g_ent.float(), accumulate=True)
-        for r in row_blocks(m, vocab, ROW_BYTES):
+        for r in row_blocks(m, vocab):
             block = d[r]
             p = block.exp()
             if row_g_ent is not None:  # dH/dz = -p (log p + H); p log p reads 0 where p is 0

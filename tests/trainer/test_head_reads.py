@@ -10,12 +10,15 @@ whole ``[n, V]`` logits again.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfw.kernels import get_ops, threads
+from rlfw.model import distribution
 from rlfw.model.distribution import Transforms, process_logits
 from rlfw.trainer.logprobs import DistributionRows, trainer_logp
 from tests.head_rows import head_rows
@@ -71,7 +74,9 @@ def test_the_reads_have_the_ops_bits_and_the_float64_gradient(
         targets = torch.randint(0, vocab, (entries, 1), generator=g)
     topk_ids = torch.randint(0, vocab, (entries, 3), generator=g)  # masked ones read -inf
     reads = DistributionRows(ops.log_softmax, t, True, entropy_grad)
-    logp, topk, ent = reads.apply(z, row_of if shared else None, targets, topk_ids)
+    block_rows = data.draw(st.integers(1, rows), "block_rows")  # rows per block of the forward and backward
+    with mock.patch.object(distribution, "ROW_BLOCK_BYTES", 4 * vocab * block_rows):
+        logp, topk, ent = reads.apply(z, row_of if shared else None, targets, topk_ids)
     assert logp is not None and topk is not None and ent is not None
 
     expected = ops.log_softmax(process_logits(z.detach(), t))[row_of]
@@ -84,7 +89,8 @@ def test_the_reads_have_the_ops_bits_and_the_float64_gradient(
         out = (a * w[0]).sum() + (b.nan_to_num(neginf=0.0) * w[1]).sum()
         return out + (c * w[2]).sum() if entropy_grad else out
 
-    (grad,) = torch.autograd.grad(loss(logp, topk, ent), z)
+    with mock.patch.object(distribution, "ROW_BLOCK_BYTES", 4 * vocab * block_rows):
+        (grad,) = torch.autograd.grad(loss(logp, topk, ent), z)
     z64 = z.detach().double().requires_grad_()
     (want,) = torch.autograd.grad(loss(*_float64_reads(z64, t, row_of, targets, topk_ids)), z64)
     assert grad.isfinite().all()
