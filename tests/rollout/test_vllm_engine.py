@@ -512,3 +512,28 @@ def test_the_decode_tap_reads_each_tracked_row_and_leaves_the_logits_alone(rows:
     for i in rows:
         pending = tap.rows[i].pending
         assert pending is not None and torch.equal(pending.view(torch.int32), want[i].view(torch.int32))
+
+
+def test_inside_vllm_a_top_k_breaks_ties_to_the_lower_id_and_keeps_torchs_values() -> None:
+    """Every CPU ``topk`` inside vLLM is the built-in engine's: torch's values, largest first, tied
+    entries in id order; rows of fp32 logits (the compiled kernel), a row with a NaN and another
+    dimension (a stable sort) alike."""
+    from rlfw.rollout.streams import _sorted_topk
+    from rlfw.rollout.vllm.attention import shared_log_softmax
+
+    x = torch.randn(6, 200_003, generator=torch.Generator().manual_seed(2))
+    x[1, [30, 10, 20]] = x[1].max() + 1  # a tie at the top
+    x[3, :40] = 0.5  # a tie across the boundary of the 32
+    x[3, 40:] = -1.0
+    x[4, 7] = float("nan")
+    with shared_log_softmax(True):
+        values, ids = torch.topk(x, 32)
+        columns = torch.topk(x[:, :50], 3, dim=0)
+        none = torch.topk(x, 0)
+    want_ids, want_values = _sorted_topk(x, 32)  # the stable sort's first 32
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(values.nan_to_num(9.0), want_values.nan_to_num(9.0))
+    assert ids[1, :3].tolist() == [10, 20, 30] and ids[3].tolist() == list(range(32))
+    ref = torch.topk(x[:, :50], 3, dim=0)
+    assert torch.equal(columns.values.nan_to_num(9.0), ref.values.nan_to_num(9.0))
+    assert none.values.shape == none.indices.shape == (6, 0) and none.indices.dtype == torch.long

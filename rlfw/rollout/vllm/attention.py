@@ -135,11 +135,33 @@ def _log_softmax_cpu(transforms: Transforms | None) -> Any:
     return impl
 
 
+def _topk_cpu(
+    x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True
+) -> tuple[Tensor, Tensor]:
+    """``aten::topk`` on CPU as the built-in engine's top-k: the ``k`` largest, largest first, ties to
+    the lower id (torch leaves the order of tied entries open). Rows of fp32 logits take the compiled
+    one-pass kernel; any other call (and a batch with a NaN) the first ``k`` of a stable sort, which
+    holds the same values torch's top-k would."""
+    from rlfw.kernels import cpu_native
+
+    if k == 0:  # vLLM's prompt log-probs of the tokens alone ask for none
+        none = x.narrow(dim, 0, 0)
+        return torch.empty_like(none), torch.empty(none.shape, dtype=torch.long)
+    if largest and x.dim() == 2 and dim in (-1, 1) and 0 < k <= x.shape[1] and cpu_native.serves(x):
+        ids, top = cpu_native.module().stable_topk(x, k)
+        if not bool((ids[:, 0] < 0).any()):  # -1: a row holding a NaN
+            return top, ids
+    values, ids = torch.sort(x, dim=dim, descending=largest, stable=True)
+    return values.narrow(dim, 0, k), ids.narrow(dim, 0, k)
+
+
 @contextlib.contextmanager
 def shared_log_softmax(enabled: bool = True, transforms: Transforms | None = None) -> Iterator[None]:
     """While inside, every CPU ``log_softmax`` in this process is the invariant one, of the rows after
-    ``transforms`` when given (a no-op when not ``enabled``). Not re-entrant: vLLM runs one call at a
-    time in this process."""
+    ``transforms`` when given, and every CPU ``topk`` the built-in engine's (:func:`_topk_cpu`: vLLM's
+    top-k log-probs then break ties as the native engine's do, and the compiled kernel skips torch's
+    per-row heap over a real vocabulary). A no-op when not ``enabled``. Not re-entrant: vLLM runs one
+    call at a time in this process."""
     if not enabled:
         yield
         return
@@ -150,6 +172,7 @@ def shared_log_softmax(enabled: bool = True, transforms: Transforms | None = Non
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel": intended
             lib.impl("_log_softmax", _log_softmax_cpu(transforms), "CPU")
+            lib.impl("topk", _topk_cpu, "CPU")
         yield
     finally:
         lib._destroy()
