@@ -530,6 +530,7 @@ def test_inside_vllm_a_top_k_breaks_ties_to_the_lower_id_and_keeps_torchs_values
         values, ids = torch.topk(x, 32)
         columns = torch.topk(x[:, :50], 3, dim=0)
         none = torch.topk(x, 0)
+        many = torch.topk(x[:, :3000], 2000)  # past the compiled kernel's k: the sort
     want_ids, want_values = _sorted_topk(x, 32)  # the stable sort's first 32
     assert torch.equal(ids, want_ids)
     assert torch.equal(values.nan_to_num(9.0), want_values.nan_to_num(9.0))
@@ -537,3 +538,6 @@ def test_inside_vllm_a_top_k_breaks_ties_to_the_lower_id_and_keeps_torchs_values
     ref = torch.topk(x[:, :50], 3, dim=0)
     assert torch.equal(columns.values.nan_to_num(9.0), ref.values.nan_to_num(9.0))
     assert none.values.shape == none.indices.shape == (6, 0) and none.indices.dtype == torch.long
+    want_many = _sorted_topk(x[:, :3000], 2000)
+    assert torch.equal(many.indices, want_many[0])
+    assert torch.equal(many.values.nan_to_num(9.0), want_many[1].nan_to_num(9.0))
