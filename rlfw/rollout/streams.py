@@ -105,23 +105,39 @@ def next_token_logits(
     return NextTokenLogits(decode, sampler)
 
 
+COMPILED_TOPK_MAX = 1024
+"""Largest ``k`` the compiled top-k takes: it inserts each entry that enters the kept set at its rank, O(k)
+apiece, so a ``k`` near half the vocabulary would cost more than a sort."""
+
+
+def takes_compiled_topk(values_BV: Tensor, k: int) -> bool:
+    """Whether :func:`stable_topk` runs the compiled kernel: rows of fp32 on the CPU, ``0 < k <=``
+    :data:`COMPILED_TOPK_MAX`."""
+    from rlfw.kernels import cpu_native
+
+    few = 0 < k <= min(values_BV.shape[-1], COMPILED_TOPK_MAX)
+    return values_BV.dim() == 2 and few and cpu_native.serves(values_BV)
+
+
 def stable_topk(values_BV: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest entries of each row, largest first, ties to the lower id: the first ``k`` of a
     stable descending sort, without sorting the whole vocabulary.
 
-    On the CPU the compiled ``stable_topk`` keeps the ``k`` best in one pass (rows holding a NaN come back
-    with id -1 and take the sort below, which places NaN first as torch does). Elsewhere
-    ``torch.topk`` finds the set; where no tie crosses its boundary (the k-th value is strictly larger
-    than every entry left out) the set is exact, and ordering it by (value descending, id ascending) is
-    a sort of ``k`` entries. Rows with a tie at the boundary take the full stable sort.
+    On the CPU the compiled ``stable_topk`` keeps the ``k`` best in one pass (:func:`takes_compiled_topk`;
+    rows holding a NaN come back with id -1 and take the stable sort itself, which places NaN first as
+    torch does; no ``torch.topk`` there, which inside vLLM is this function). Elsewhere ``torch.topk``
+    finds the set; where no tie crosses its boundary (the k-th value is strictly larger than every entry
+    left out) the set is exact, and ordering it by (value descending, id ascending) is a sort of ``k``
+    entries. Rows with a tie at the boundary take the full stable sort.
     """
     from rlfw.kernels import cpu_native
 
-    if k > 0 and cpu_native.serves(values_BV):
+    if takes_compiled_topk(values_BV, k):
         ids, top = cpu_native.module().stable_topk(values_BV, k)
         nan = (ids[:, 0] < 0).nonzero(as_tuple=True)[0]
         if nan.numel():
-            ids[nan], top[nan] = _sorted_topk(values_BV[nan], k)
+            ordered = torch.sort(values_BV[nan], dim=-1, descending=True, stable=True)
+            ids[nan], top[nan] = ordered.indices[:, :k], ordered.values[:, :k]
         return ids, top
     return _sorted_topk(values_BV, k)
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfw.rollout.streams import _sorted_topk, stable_topk
+from rlfw.rollout.streams import COMPILED_TOPK_MAX, _sorted_topk, stable_topk, takes_compiled_topk
 from tests.properties import examples
 
 
@@ -59,3 +59,14 @@ def test_a_row_with_a_nan_takes_the_sort() -> None:
     x[1, 7] = float("nan")
     ids, _ = stable_topk(x, 4)
     assert torch.equal(ids, torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :4])
+
+
+def test_a_k_past_the_compiled_kernels_takes_torchs_path() -> None:
+    """Past :data:`COMPILED_TOPK_MAX` (the compiled insertion costs O(k) an entry) the same head of a
+    stable sort comes from torch's path, ties included."""
+    x = torch.randint(0, 50, (3, 3000), generator=torch.Generator().manual_seed(1)).float()  # many ties
+    k = COMPILED_TOPK_MAX + 1
+    assert not takes_compiled_topk(x, k) and takes_compiled_topk(x, k - 1)
+    ids, top = stable_topk(x, k)
+    want = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, want.indices[:, :k]) and torch.equal(top, want.values[:, :k])

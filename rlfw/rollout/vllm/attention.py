@@ -135,28 +135,21 @@ def _log_softmax_cpu(transforms: Transforms | None) -> Any:
     return impl
 
 
-_COMPILED_TOPK_MAX = 1024
-"""Largest ``k`` the compiled top-k takes inside vLLM (it inserts each entering entry at its rank, O(k)
-apiece, so a ``k`` near half the vocabulary would cost more than the sort)."""
-
-
 def _topk_cpu(
     x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True
 ) -> tuple[Tensor, Tensor]:
     """``aten::topk`` on CPU as the built-in engine's top-k: the ``k`` largest, largest first, ties to
-    the lower id (torch leaves the order of tied entries open). Rows of fp32 logits take the compiled
-    one-pass kernel (``k`` up to :data:`_COMPILED_TOPK_MAX`); any other call (and a batch with a NaN)
-    the first ``k`` of a stable sort, which holds the same values torch's top-k would."""
-    from rlfw.kernels import cpu_native
+    the lower id (torch leaves the order of tied entries open). Rows of fp32 logits take
+    :func:`~rlfw.rollout.streams.stable_topk`'s compiled pass; any other call the first ``k`` of a stable
+    sort, which holds the same values torch's top-k would."""
+    from rlfw.rollout.streams import stable_topk, takes_compiled_topk
 
     if k == 0:  # vLLM's prompt log-probs of the tokens alone ask for none
         none = x.narrow(dim, 0, 0)
         return torch.empty_like(none), torch.empty(none.shape, dtype=torch.long)
-    few = 0 < k <= min(x.shape[-1], _COMPILED_TOPK_MAX)
-    if largest and x.dim() == 2 and dim in (-1, 1) and few and cpu_native.serves(x):
-        ids, top = cpu_native.module().stable_topk(x, k)
-        if not bool((ids[:, 0] < 0).any()):  # -1: a row holding a NaN
-            return top, ids
+    if largest and dim in (-1, 1) and takes_compiled_topk(x, k):
+        ids, top = stable_topk(x, k)
+        return top, ids
     values, ids = torch.sort(x, dim=dim, descending=largest, stable=True)
     return values.narrow(dim, 0, k), ids.narrow(dim, 0, k)
 
