@@ -1,6 +1,14 @@
 """The compiled attention's backward at this checkout against another revision: bits, then time.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/attention_ab.py --rev HEAD~1
+    OMP_NUM_THREADS=1 .venv/bin/python bench/attention_ab.py --rev HEAD~1 --paged
+
+``--paged`` compares the forward over vLLM's paged cache instead (``paged_attention``, what
+``engine=vllm`` runs on CPU): the same bits from both builds on decode and prefill shapes, fp32 and bf16
+caches, one and two threads; then a decode step of the 76M benchmark model (64 sequences, one query token
+each, 12 query and 4 K/V heads of 64, 12 layers, each layer's cache its own 48 MB or more, blocks of 128
+positions in shuffled order as vLLM hands them out), timed at 50 and at 271 positions (the mean of a
+512-token rollout), alternated call by call.
 
 The other revision's ``kernels/csrc`` is built beside this checkout's extension (``bench/linear_ab.py``'s
 ``build_at``). First every shape below must give the same dq, dk and dv bits from both builds, on one
@@ -54,6 +62,67 @@ def operands(b: int, t: int, s: int, hq: int, hkv: int, d: int, padding: float =
     return q, k, v, pos.contiguous(), 0.125, grad
 
 
+# (sequences, query tokens each, positions, query heads, K/V heads, head size, positions per block)
+PAGED_SHAPES = [
+    (64, 1, 271, 12, 4, 64, 128),
+    (5, 1, 300, 8, 4, 64, 128),
+    (3, 20, 150, 8, 4, 64, 16),
+    (2, 9, 9, 4, 2, 12, 32),
+    (4, 33, 260, 6, 2, 72, 128),
+]
+
+
+def paged_operands(
+    seqs: int,
+    t: int,
+    positions: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    block: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[Any, ...]:
+    """q, a paged cache holding every sequence's ``positions`` K/V rows in shuffled blocks, each query
+    token's sequence and position (the last ``t`` of its sequence), the block table and the scale."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-positions // block)
+    order = torch.randperm(seqs * per_seq, generator=g)
+    kv = torch.randn(seqs * per_seq, hkv, 2 * block, d, generator=g).to(dtype)
+    q = torch.randn(seqs * t, hq, d, generator=g)
+    seq = torch.arange(seqs).repeat_interleave(t)
+    pos = (torch.arange(t) + positions - t).repeat(seqs)
+    return q, kv, seq, pos, order.view(seqs, per_seq).contiguous(), 0.125
+
+
+def paged(a: argparse.Namespace, here: Any, there: Any) -> None:
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for shape in PAGED_SHAPES:
+            for dtype in (torch.float32, torch.bfloat16):
+                args = paged_operands(*shape, dtype=dtype)
+                if not same_bits([here.paged_attention(*args)], [there.paged_attention(*args)]):
+                    raise SystemExit(
+                        f"{shape} {dtype} on {threads} thread(s): the builds give different bits"
+                    )
+    shapes = len(PAGED_SHAPES)
+    print(f"{machine.describe()}; same bits on {shapes} paged shapes, fp32 and bf16, 1 and 2 threads")
+    torch.set_num_threads(1)
+    for positions in (50, 271):
+        layers = [paged_operands(64, 1, positions, 12, 4, 64, 128, torch.float32, seed) for seed in range(12)]
+
+        def step(mod: Any, layers: list[tuple[Any, ...]] = layers) -> None:
+            for args in layers:
+                mod.paged_attention(*args)
+
+        t_there, t_here = alternated_medians([partial(step, there), partial(step, here)], a.reps)
+        print(
+            f"decode step, 64 sequences at {positions} positions, 12 layers, one thread, "
+            f"medians of {a.reps}: "
+            f"{a.rev} {t_there * 1e3:.2f} ms, here {t_here * 1e3:.2f} ms ({t_here / t_there:.3f}x the time)"
+        )
+
+
 def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True))
 
@@ -62,10 +131,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", required=True, help="the git revision to compare with (e.g. HEAD~1)")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--paged", action="store_true", help="the forward over vLLM's paged cache instead")
     a = ap.parse_args()
     here = cpu_native.module()
     with tempfile.TemporaryDirectory() as tmp:
         there = build_at(a.rev, Path(tmp))
+        if a.paged:
+            paged(a, here, there)
+            return
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for shape in SHAPES:

@@ -271,8 +271,9 @@ def paged_attention(
     """:func:`attention` over a paged cache (CPU): the same bits for the same query and K/V.
 
     ``q [N, Hq, D]``: query tokens of many sequences; ``kv_cache [blocks, Hkv, block, 2 * D]`` (vLLM's
-    CPU cache tensor, fp32 or bf16): per block and KV head, position ``j`` of the block holds its key in
-    ``[..., j, :D]`` and its value in ``[..., j, D:]``, as :func:`paged_store` writes them; token ``i``
+    CPU cache tensor, fp32 or bf16): per block and KV head, the block's ``block`` key rows, then its
+    ``block`` value rows (the storage read as ``[blocks, Hkv, 2 * block, D]``), as :func:`paged_store`
+    writes them; token ``i``
     belongs to sequence ``seq[i]``, whose blocks are row ``seq[i]`` of ``block_table``, at position
     ``q_pos[i]`` (negative: padding, zeros). Returns ``[N, Hq, D]`` in ``q.dtype``.
     """

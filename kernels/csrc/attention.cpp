@@ -35,18 +35,44 @@ using rlfw_exp::exp8;
 
 constexpr int64_t kLanes = 8;
 
-// Where a layout keeps every head's K (or V) row of position i contiguously, at base + i * stride floats,
-// the walk asks for the rows it will read a few positions ahead (a software prefetch: it moves no data the
-// arithmetic sees, so no bit depends on it). The slotted cache has that layout; the paged one passes none.
+// The walk asks for the K or V rows it will read a few positions ahead (a software prefetch: it moves no data
+// the arithmetic sees, so no bit depends on it). Ahead is the slotted layout's: every head's row of position i
+// lies contiguously at base + i * stride floats. PagedAhead is vLLM's, through a table of row addresses.
+
+// One cache line toward L2 (locality 1: the rows being read keep L1). Spelt as an instruction the compiler
+// must keep: GCC 12 deletes a loop whose only statement is __builtin_prefetch when it can prove the loop
+// finite, which it did to PagedAhead's whole walk.
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht2 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 1);
+#endif
+}
+
 struct Ahead {
   const float* base = nullptr;
   int64_t stride = 0;  // floats per position
-  // Positions lo .. hi - 1 (clipped to < n) toward L2 (locality 1: the rows being read keep L1).
+  // Positions lo .. hi - 1 (clipped to < n).
   void operator()(int64_t lo, int64_t hi, int64_t n) const {
     if (base == nullptr || lo >= n) return;
     const char* a = reinterpret_cast<const char*>(base + lo * stride);
     const char* b = reinterpret_cast<const char*>(base + std::min(hi, n) * stride);
-    for (; a < b; a += 64) __builtin_prefetch(a, 0, 1);
+    for (; a < b; a += 64) prefetch_line(a);
+  }
+};
+template <typename T>
+struct PagedAhead {
+  const T* const* rows = nullptr;  // position i, K/V head h: its K row at rows[i * hkv + h]
+  int64_t hkv = 0;
+  int64_t offset = 0;  // elements from a K row to the same position's V row: 0 for K
+  int64_t bytes = 0;   // per row
+  void operator()(int64_t lo, int64_t hi, int64_t n) const {
+    for (int64_t i = lo; i < std::min(hi, n); ++i)
+      for (int64_t h = 0; h < hkv; ++h) {
+        const char* a = reinterpret_cast<const char*>(rows[i * hkv + h] + offset);
+        for (const char* b = a + bytes; a < b; a += 64) prefetch_line(a);
+      }
   }
 };
 constexpr int64_t kAheadK = 16;  // positions of K requested ahead of the score walk
@@ -158,10 +184,10 @@ constexpr int64_t kBackwardFloats = 1 << 15;  // softmax rows of one query block
 // tokens would otherwise read the sequence's whole K and V once per token, past what L2 holds). The AVX2
 // path computes eight scores and eight exponentials at once and keeps output rows in registers across a
 // chunk of positions; each element is the same fma chain in the same order.
-template <typename Key, typename Value>
+template <typename Key, typename Value, typename KAhead, typename VAhead>
 inline void attend_block(const float* const* qs, const int64_t* ps, int64_t nq, int64_t nh, int64_t group,
                          int64_t d, float sc, const Key& key, const Value& value, float* e, int64_t cap,
-                         float* acc, float* denom, float* const* outs, const Ahead& k_ahead, const Ahead& v_ahead) {
+                         float* acc, float* denom, float* const* outs, const KAhead& k_ahead, const VAhead& v_ahead) {
   int64_t nmax = 0;
   for (int64_t j = 0; j < nq; ++j) nmax = std::max(nmax, ps[j] + 1);
   if (nmax <= 0) return;
@@ -304,6 +330,9 @@ void paged(const float* qp, const T* kv, const int64_t* seq, const int64_t* pos,
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> e(kQueryBlock * hq * cap);
     std::vector<float> acc(kQueryBlock * hq * d), denom(kQueryBlock * hq), kbuf(kLanes * d), vbuf(d);
+    // Position i's K row for K/V head h, its V row `block` rows further: found once per run here rather
+    // than by a division by the block size at every read of a row.
+    std::vector<const T*> rows(cap * hkv);
     const float* qs[kQueryBlock];
     float* outs[kQueryBlock];
     for (int64_t first = c0 * kQueryBlock; first < std::min(n, c1 * kQueryBlock);) {
@@ -313,20 +342,25 @@ void paged(const float* qp, const T* kv, const int64_t* seq, const int64_t* pos,
       }
       const int64_t end = std::min(n, (first / kQueryBlock + 1) * kQueryBlock);
       int64_t last = first + 1;  // the run: tokens first .. last - 1 of one sequence
-      while (last < end && seq[last] == seq[first]) ++last;
+      int64_t seen = pos[first] + 1;  // positions any token of the run sees
+      while (last < end && seq[last] == seq[first]) seen = std::max(seen, pos[last++] + 1);
       const int64_t* blocks = table + seq[first] * max_blocks;
-      // Block b, head kvh: `block` key rows, then `block` value rows, each d wide.
-      const auto at = [&](int64_t i, int64_t kvh) {
-        return kv + ((blocks[i / block] * hkv + kvh) * 2 * block + i % block) * d;
-      };
-      const auto key = [&](int64_t i, int64_t kvh, int64_t k) { return widen(at(i, kvh), kbuf.data() + k * d, d); };
-      const auto value = [&](int64_t i, int64_t kvh) { return widen(at(i, kvh) + block * d, vbuf.data(), d); };
+      // Block b, head h: `block` key rows, then `block` value rows, each d wide.
+      for (int64_t i = 0; i < seen; i += block)
+        for (int64_t h = 0; h < hkv; ++h) {
+          const T* k = kv + (blocks[i / block] * hkv + h) * 2 * block * d;
+          for (int64_t j = 0; j < std::min(block, seen - i); ++j) rows[(i + j) * hkv + h] = k + j * d;
+        }
+      const auto key = [&](int64_t i, int64_t h, int64_t k) { return widen(rows[i * hkv + h], kbuf.data() + k * d, d); };
+      const auto value = [&](int64_t i, int64_t h) { return widen(rows[i * hkv + h] + block * d, vbuf.data(), d); };
       for (int64_t j = 0; j < last - first; ++j) {
         qs[j] = qp + (first + j) * hq * d;
         outs[j] = op + (first + j) * hq * d;
       }
+      const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
       attend_block(qs, pos + first, last - first, hq, group, d, sc, key, value, e.data(), cap, acc.data(),
-                   denom.data(), outs, Ahead{}, Ahead{});
+                   denom.data(), outs, PagedAhead<T>{rows.data(), hkv, 0, bytes},
+                   PagedAhead<T>{rows.data(), hkv, block * d, bytes});
       first = last;
     }
   });
