@@ -2,13 +2,16 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/attention_ab.py --rev HEAD~1
     OMP_NUM_THREADS=1 .venv/bin/python bench/attention_ab.py --rev HEAD~1 --paged
+    OMP_NUM_THREADS=1 .venv/bin/python bench/attention_ab.py --rev HEAD~1 --slotted
 
 ``--paged`` compares the forward over vLLM's paged cache instead (``paged_attention``, what
 ``engine=vllm`` runs on CPU): the same bits from both builds on decode and prefill shapes, fp32 and bf16
 caches, one and two threads; then a decode step of the 76M benchmark model (64 sequences, one query token
 each, 12 query and 4 K/V heads of 64, 12 layers, each layer's cache its own 48 MB or more, blocks of 128
 positions in shuffled order as vLLM hands them out), timed at 50 and at 271 positions (the mean of a
-512-token rollout), alternated call by call.
+512-token rollout), alternated call by call. ``--slotted`` does the same for the forward over the built-in
+engine's slotted cache (``attention``): the same bits on those shapes and the backward's below, then the
+same decode step with each layer's cache one row per sequence, rows in shuffled order.
 
 The other revision's ``kernels/csrc`` is built beside this checkout's extension (``bench/linear_ab.py``'s
 ``build_at``). First every shape below must give the same dq, dk and dv bits from both builds, on one
@@ -123,6 +126,50 @@ def paged(a: argparse.Namespace, here: Any, there: Any) -> None:
         )
 
 
+def slotted_operands(
+    seqs: int, t: int, positions: int, hq: int, hkv: int, d: int, seed: int = 0
+) -> tuple[Any, ...]:
+    """q, the engine's slotted K and V caches (one row per sequence, room for more positions than are
+    visible, rows in shuffled order as slots are handed out), each query's position (the last ``t`` of
+    its sequence), each sequence's cache row and the scale."""
+    g = torch.Generator().manual_seed(seed)
+    cap = positions + 273  # room the walk must not read
+    k, v = torch.randn(seqs, cap, hkv, d, generator=g), torch.randn(seqs, cap, hkv, d, generator=g)
+    q = torch.randn(seqs, t, hq, d, generator=g)
+    pos = (torch.arange(t) + positions - t).repeat(seqs, 1).contiguous()
+    return q, k, v, pos, torch.randperm(seqs, generator=g), 0.125
+
+
+def slotted(a: argparse.Namespace, here: Any, there: Any) -> None:
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for shape in PAGED_SHAPES:
+            args = slotted_operands(*shape[:-1])
+            if not same_bits([here.attention(*args)], [there.attention(*args)]):
+                raise SystemExit(f"{shape[:-1]} on {threads} thread(s): the builds give different bits")
+        for shape in SHAPES:
+            q, k, v, pos, scale, _ = operands(*shape)
+            args = (q, k, v, pos, torch.arange(q.size(0)), scale)
+            if not same_bits([here.attention(*args)], [there.attention(*args)]):
+                raise SystemExit(f"{shape} on {threads} thread(s): the builds give different bits")
+    shapes = len(PAGED_SHAPES) + len(SHAPES)
+    print(f"{machine.describe()}; same bits on {shapes} slotted shapes, 1 and 2 threads")
+    torch.set_num_threads(1)
+    for positions in (50, 271):
+        layers = [slotted_operands(64, 1, positions, 12, 4, 64, seed) for seed in range(12)]
+
+        def step(mod: Any, layers: list[tuple[Any, ...]] = layers) -> None:
+            for args in layers:
+                mod.attention(*args)
+
+        t_there, t_here = alternated_medians([partial(step, there), partial(step, here)], a.reps)
+        print(
+            f"decode step over the slotted cache, 64 sequences at {positions} positions, 12 layers, "
+            f"one thread, medians of {a.reps}: "
+            f"{a.rev} {t_there * 1e3:.2f} ms, here {t_here * 1e3:.2f} ms ({t_here / t_there:.3f}x the time)"
+        )
+
+
 def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True))
 
@@ -132,12 +179,18 @@ def main() -> None:
     ap.add_argument("--rev", required=True, help="the git revision to compare with (e.g. HEAD~1)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--paged", action="store_true", help="the forward over vLLM's paged cache instead")
+    ap.add_argument(
+        "--slotted", action="store_true", help="the forward over the engine's slotted cache instead"
+    )
     a = ap.parse_args()
     here = cpu_native.module()
     with tempfile.TemporaryDirectory() as tmp:
         there = build_at(a.rev, Path(tmp))
         if a.paged:
             paged(a, here, there)
+            return
+        if a.slotted:
+            slotted(a, here, there)
             return
         for threads in (1, 2):
             torch.set_num_threads(threads)

@@ -53,12 +53,13 @@ inline void prefetch_line(const char* p) {
 struct Ahead {
   const float* base = nullptr;
   int64_t stride = 0;  // floats per position
-  // Positions lo .. hi - 1 (clipped to < n).
-  void operator()(int64_t lo, int64_t hi, int64_t n) const {
+  // Positions lo .. hi - 1 (clipped to < n): the part-th of `parts` nearly equal shares of their lines.
+  void operator()(int64_t lo, int64_t hi, int64_t n, int64_t part = 0, int64_t parts = 1) const {
     if (base == nullptr || lo >= n) return;
-    const char* a = reinterpret_cast<const char*>(base + lo * stride);
-    const char* b = reinterpret_cast<const char*>(base + std::min(hi, n) * stride);
-    for (; a < b; a += 64) prefetch_line(a);
+    const int64_t bytes = (std::min(hi, n) - lo) * stride * static_cast<int64_t>(sizeof(float));
+    const int64_t lines = (bytes + 63) / 64;
+    const char* from = reinterpret_cast<const char*>(base + lo * stride);
+    for (int64_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l) prefetch_line(from + l * 64);
   }
 };
 template <typename T>
@@ -67,14 +68,20 @@ struct PagedAhead {
   int64_t hkv = 0;
   int64_t offset = 0;  // elements from a K row to the same position's V row: 0 for K
   int64_t bytes = 0;   // per row
-  void operator()(int64_t lo, int64_t hi, int64_t n) const {
-    for (int64_t i = lo; i < std::min(hi, n); ++i)
-      for (int64_t h = 0; h < hkv; ++h) {
-        const char* a = reinterpret_cast<const char*>(rows[i * hkv + h] + offset);
-        for (const char* b = a + bytes; a < b; a += 64) prefetch_line(a);
-      }
+  // The part-th of `parts` nearly equal shares of the rows (position, K/V head) of positions lo .. hi - 1.
+  void operator()(int64_t lo, int64_t hi, int64_t n, int64_t part = 0, int64_t parts = 1) const {
+    if (lo >= n) return;
+    const int64_t count = (std::min(hi, n) - lo) * hkv;
+    for (int64_t r = count * part / parts; r < count * (part + 1) / parts; ++r) {
+      const char* a = reinterpret_cast<const char*>(rows[lo * hkv + r] + offset);
+      for (const char* b = a + bytes; a < b; a += 64) prefetch_line(a);
+    }
   }
 };
+// The walks request a chunk's lines ahead in shares, one per head's pass over the chunk, so that the
+// requests go out beside the arithmetic. All at once at the chunk's start (a few hundred lines), they
+// filled the core's queue of outstanding misses and the walk stalled on its own prefetches: 76M decode
+// steps at 271 positions took about 0.7x the time once spread (RESULTS).
 constexpr int64_t kAheadK = 16;  // positions of K requested ahead of the score walk
 constexpr int64_t kAheadV = 16;  // positions of V requested ahead of the weighted sum
 
@@ -196,8 +203,8 @@ inline void attend_block(const float* const* qs, const int64_t* ps, int64_t nq, 
   k_ahead(0, kAheadK, nmax);
 #if RLFW_AVX2
   for (; i + kLanes <= nmax; i += kLanes) {
-    k_ahead(i + kAheadK, i + kAheadK + kLanes, nmax);
     for (int64_t h = 0; h < nh; ++h) {
+      k_ahead(i + kAheadK, i + kAheadK + kLanes, nmax, h, nh);
       const float* keys[kLanes];
       for (int64_t k = 0; k < kLanes; ++k) keys[k] = key(i + k, h / group, k);
       for (int64_t j = 0; j < nq; ++j) {
@@ -229,8 +236,8 @@ inline void attend_block(const float* const* qs, const int64_t* ps, int64_t nq, 
   v_ahead(0, kAheadV, nmax);
   constexpr int64_t kChunk = 16;  // positions whose V rows stay in L1 while every head and query walks them
   for (int64_t c0 = 0; c0 < nmax; c0 += kChunk) {
-    v_ahead(c0 + kAheadV, std::min(c0 + kChunk, nmax) + kAheadV, nmax);
     for (int64_t h = 0; h < nh; ++h) {
+      v_ahead(c0 + kAheadV, std::min(c0 + kChunk, nmax) + kAheadV, nmax, h, nh);
       const auto vh = [&](int64_t pos) { return value(pos, h / group); };
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t c1 = std::min(c0 + kChunk, ps[j] + 1);
