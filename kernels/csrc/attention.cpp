@@ -222,15 +222,17 @@ inline void attend_block(const float* const* qs, const int64_t* ps, int64_t nq, 
     const int64_t tail = RLFW_AVX2 ? n - n % kLanes : 0;
     for (int64_t t = tail; t < n; ++t)
       for (int64_t h = 0; h < nh; ++h) scores(j, h)[t] = dot(qs[j] + h * d, key(t, h / group, 0), d) * sc;
-    for (int64_t h = 0; h < nh; ++h) {
-      float* eh = scores(j, h);
-      float m = -INFINITY;
-      for (int64_t t = 0; t < n; ++t) m = std::max(m, eh[t]);
-      exp_shifted(eh, n, m);
-      float sum = 0.0f;
-      for (int64_t t = 0; t < n; ++t) sum += eh[t];
-      denom[j * nh + h] = sum;
-    }
+    // Each head's maximum and sum run over t ascending. The heads' chains are independent, so they advance
+    // side by side, one position of every head at a time, rather than one chain waiting on its own latency
+    // at every position. `row` holds the maxima, then the sums.
+    float* row = denom + j * nh;
+    std::fill(row, row + nh, -INFINITY);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < nh; ++h) row[h] = std::max(row[h], scores(j, h)[t]);
+    for (int64_t h = 0; h < nh; ++h) exp_shifted(scores(j, h), n, row[h]);
+    std::fill(row, row + nh, 0.0f);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < nh; ++h) row[h] += scores(j, h)[t];
   }
   std::fill(acc, acc + nq * nh * d, 0.0f);
   v_ahead(0, kAheadV, nmax);
