@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python bench/linear_ab.py --rev HEAD~1 [--reps 15] [--rows 1040]
     OMP_NUM_THREADS=1 .venv/bin/python bench/linear_ab.py --rev HEAD~1 --engine --rows 64
     OMP_NUM_THREADS=1 .venv/bin/python bench/linear_ab.py --rev HEAD~1 --stored --rows 8
+    OMP_NUM_THREADS=1 .venv/bin/python bench/linear_ab.py --rev HEAD~1 --step --rows 64
 
 Builds ``kernels/csrc`` as it is at ``--rev`` into a second extension (in a temporary folder, with this
 checkout's compiler flags), then times the trainer's three products per linear of the 13M model, forward
@@ -12,7 +13,9 @@ the two builds call by call (medians). ``--engine``: instead, an engine's forwar
 packed once (``linear_packed``), for every weight of the 13M and 76M models (64 rows: a decode step of
 the benchmark's batch; 4,096: its prefill stream). ``--stored``: the same weights read as stored
 (``linear``; up to 64 rows it never packs: the per-op path's decode step when nothing packed the
-weights). Every product must give the same bits from both builds: a kernel change that moves speed may
+weights). ``--step``: a decode step's linears of each model, every layer's weights its own tensors (the
+76M model's 300 MB, the 13M model's 48 MB: more than the last-level cache, as in an engine's step), packed
+once per build. Every product must give the same bits from both builds: a kernel change that moves speed may
 not move a bit.
 """
 
@@ -49,10 +52,13 @@ def build_at(rev: str, folder: Path):  # type: ignore[no-untyped-def]
     root = Path(__file__).resolve().parent.parent
     sources = []
     for path in cpu_native.SOURCES + cpu_native.HEADERS:
-        text = subprocess.run(
-            ["git", "show", f"{rev}:kernels/csrc/{path.name}"], cwd=root, capture_output=True, check=True
-        ).stdout
-        (folder / path.name).write_bytes(text)
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:kernels/csrc/{path.name}"], cwd=root, capture_output=True
+        )
+        if shown.returncode != 0 and path in cpu_native.HEADERS:
+            continue  # a header added since rev: rev's sources do not include it
+        shown.check_returncode()
+        (folder / path.name).write_bytes(shown.stdout)
         if path in cpu_native.SOURCES:
             sources.append(str(folder / path.name))
     return load(
@@ -98,6 +104,41 @@ def stored_products(rows: int, k: int, n: int) -> list[tuple[str, Callable[[Any]
     return [("stored fwd", lambda mod: mod.linear(x, w))]
 
 
+# Layers of each model whose weights a decode step passes over (every one its own tensor, so that a step
+# reads more than the last-level cache holds, as an engine's step does); gate and up are two weights.
+STEP_MODELS = {"13m": (4, ENGINE_SHAPES[:5]), "76m": (12, ENGINE_SHAPES[5:])}
+
+
+def step_products(rows: int) -> list[tuple[str, Callable[[Any], list[torch.Tensor]]]]:
+    """One decode step's linears per model: every layer's q/k/v, o, gate, up and down weights, then the head,
+    each packed once per build, on ``rows`` rows."""
+    out = []
+    for model, (layers, shapes) in STEP_MODELS.items():
+        g = torch.Generator().manual_seed(layers)
+        block = [shapes[0], shapes[1], shapes[2], shapes[2], shapes[3]]
+        weights = [torch.randn(n, k, generator=g) for _ in range(layers) for k, n in block]
+        weights.append(torch.randn(shapes[4][1], shapes[4][0], generator=g))
+        xs = {k: torch.randn(rows, k, generator=g) for k, _ in shapes}
+        packed: dict[int, list[torch.Tensor]] = {}
+
+        def step(
+            mod: Any,
+            weights: list[torch.Tensor] = weights,
+            xs: dict[int, torch.Tensor] = xs,
+            packed: dict[int, list[torch.Tensor]] = packed,
+        ) -> Any:
+            if id(mod) not in packed:
+                packed[id(mod)] = [mod.pack(w) for w in weights]
+            return [
+                mod.linear_packed(xs[w.size(1)], p, w.size(0))
+                for w, p in zip(weights, packed[id(mod)], strict=True)
+            ]
+
+        flops = sum(2 * rows * w.numel() for w in weights)
+        out.append((f"{model} decode step ({layers} layers, {flops / 2 / rows / 1e6:.0f}M weights)", step))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", required=True, help="the git revision to compare with (e.g. HEAD~1)")
@@ -105,6 +146,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1040)
     ap.add_argument("--engine", action="store_true", help="an engine's packed forward, both models' weights")
     ap.add_argument("--stored", action="store_true", help="the forward over weights as stored, both models'")
+    ap.add_argument(
+        "--step", action="store_true", help="a decode step's linears: every layer's own weights, packed once"
+    )
     a = ap.parse_args()
     shapes, make = (SHAPES, products)
     if a.engine or a.stored:
@@ -115,6 +159,18 @@ def main() -> None:
         there = build_at(a.rev, Path(tmp))
         print(f"{machine.describe()}; this checkout against {a.rev}, {a.rows} rows, medians of {a.reps}")
         totals = [0.0, 0.0]
+        if a.step:
+            for name, step in step_products(a.rows):
+                pairs = zip(step(here), step(there), strict=True)
+                if not all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in pairs):
+                    raise SystemExit(f"{name}: the two builds give different bits")
+                t_there, t_here = alternated_medians([partial(step, there), partial(step, here)], a.reps)
+                print(
+                    f"{name}: {a.rev} {t_there * 1e3:.2f} ms, here {t_here * 1e3:.2f} ms "
+                    f"({t_here / t_there:.3f}x the time)",
+                    flush=True,
+                )
+            return
         for k, n in shapes:
             for name, call in make(a.rows, k, n):
                 if not torch.equal(call(here).view(torch.int32), call(there).view(torch.int32)):
