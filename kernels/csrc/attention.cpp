@@ -79,9 +79,10 @@ struct PagedAhead {
   }
 };
 // The walks request a chunk's lines ahead in shares, one per head's pass over the chunk, so that the
-// requests go out beside the arithmetic. All at once at the chunk's start (a few hundred lines), they
-// filled the core's queue of outstanding misses and the walk stalled on its own prefetches: 76M decode
-// steps at 271 positions took about 0.7x the time once spread (RESULTS).
+// requests go out beside the arithmetic. Requested all at once at the chunk's start (128 lines of K, 256 of
+// V at the 76M model's 4 K/V heads of 64), they filled the core's queue of outstanding misses and the walk
+// stalled on its own prefetches; spread, a 76M decode step at 271 positions took 0.69-0.75x the time
+// (RESULTS). 8 or 32 positions ahead instead of 16 were slower, and so was prefetcht0.
 constexpr int64_t kAheadK = 16;  // positions of K requested ahead of the score walk
 constexpr int64_t kAheadV = 16;  // positions of V requested ahead of the weighted sum
 
