@@ -110,17 +110,30 @@ def paged(a: argparse.Namespace, here: Any, there: Any) -> None:
                     )
     shapes = len(PAGED_SHAPES)
     print(f"{machine.describe()}; same bits on {shapes} paged shapes, fp32 and bf16, 1 and 2 threads")
+    decode_steps(
+        a,
+        here,
+        there,
+        "paged_attention",
+        "",
+        lambda positions, seed: paged_operands(64, 1, positions, 12, 4, 64, 128, torch.float32, seed),
+    )
+
+
+def decode_steps(a: argparse.Namespace, here: Any, there: Any, op: str, cache: str, layer: Any) -> None:
+    """Time a decode step of the 76M benchmark model (``layer(positions, seed)``: one layer's operands for
+    ``op``) at 50 and at 271 positions on both builds, alternated call by call, one thread."""
     torch.set_num_threads(1)
     for positions in (50, 271):
-        layers = [paged_operands(64, 1, positions, 12, 4, 64, 128, torch.float32, seed) for seed in range(12)]
+        layers = [layer(positions, seed) for seed in range(12)]
 
         def step(mod: Any, layers: list[tuple[Any, ...]] = layers) -> None:
             for args in layers:
-                mod.paged_attention(*args)
+                getattr(mod, op)(*args)
 
         t_there, t_here = alternated_medians([partial(step, there), partial(step, here)], a.reps)
         print(
-            f"decode step, 64 sequences at {positions} positions, 12 layers, one thread, "
+            f"decode step{cache}, 64 sequences at {positions} positions, 12 layers, one thread, "
             f"medians of {a.reps}: "
             f"{a.rev} {t_there * 1e3:.2f} ms, here {t_here * 1e3:.2f} ms ({t_here / t_there:.3f}x the time)"
         )
@@ -154,20 +167,14 @@ def slotted(a: argparse.Namespace, here: Any, there: Any) -> None:
                 raise SystemExit(f"{shape} on {threads} thread(s): the builds give different bits")
     shapes = len(PAGED_SHAPES) + len(SHAPES)
     print(f"{machine.describe()}; same bits on {shapes} slotted shapes, 1 and 2 threads")
-    torch.set_num_threads(1)
-    for positions in (50, 271):
-        layers = [slotted_operands(64, 1, positions, 12, 4, 64, seed) for seed in range(12)]
-
-        def step(mod: Any, layers: list[tuple[Any, ...]] = layers) -> None:
-            for args in layers:
-                mod.attention(*args)
-
-        t_there, t_here = alternated_medians([partial(step, there), partial(step, here)], a.reps)
-        print(
-            f"decode step over the slotted cache, 64 sequences at {positions} positions, 12 layers, "
-            f"one thread, medians of {a.reps}: "
-            f"{a.rev} {t_there * 1e3:.2f} ms, here {t_here * 1e3:.2f} ms ({t_here / t_there:.3f}x the time)"
-        )
+    decode_steps(
+        a,
+        here,
+        there,
+        "attention",
+        " over the slotted cache",
+        lambda positions, seed: slotted_operands(64, 1, positions, 12, 4, 64, seed),
+    )
 
 
 def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
