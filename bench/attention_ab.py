@@ -154,18 +154,16 @@ def slotted_operands(
 
 
 def slotted(a: argparse.Namespace, here: Any, there: Any) -> None:
+    cases = [(shape[:-1], slotted_operands(*shape[:-1])) for shape in PAGED_SHAPES]
+    for shape in SHAPES:  # the backward's shapes, each sequence reading its own cache row
+        q, k, v, pos, scale, _ = operands(*shape)
+        cases.append((shape, (q, k, v, pos, torch.arange(q.size(0)), scale)))
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        for shape in PAGED_SHAPES:
-            args = slotted_operands(*shape[:-1])
-            if not same_bits([here.attention(*args)], [there.attention(*args)]):
-                raise SystemExit(f"{shape[:-1]} on {threads} thread(s): the builds give different bits")
-        for shape in SHAPES:
-            q, k, v, pos, scale, _ = operands(*shape)
-            args = (q, k, v, pos, torch.arange(q.size(0)), scale)
+        for shape, args in cases:
             if not same_bits([here.attention(*args)], [there.attention(*args)]):
                 raise SystemExit(f"{shape} on {threads} thread(s): the builds give different bits")
-    shapes = len(PAGED_SHAPES) + len(SHAPES)
+    shapes = len(cases)
     print(f"{machine.describe()}; same bits on {shapes} slotted shapes, 1 and 2 threads")
     decode_steps(
         a,

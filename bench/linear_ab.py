@@ -134,8 +134,8 @@ def step_products(rows: int) -> list[tuple[str, Callable[[Any], list[torch.Tenso
                 for w, p in zip(weights, packed[id(mod)], strict=True)
             ]
 
-        flops = sum(2 * rows * w.numel() for w in weights)
-        out.append((f"{model} decode step ({layers} layers, {flops / 2 / rows / 1e6:.0f}M weights)", step))
+        params = sum(w.numel() for w in weights)
+        out.append((f"{model} decode step ({layers} layers, {params / 1e6:.0f}M weights)", step))
     return out
 
 
