@@ -206,7 +206,9 @@ def build_contract(
     vllm_shared = engine == "vllm" and vllm_shares_numerics(ops.name, vllm_model, device_type)
     if engine == "vllm":
         vllm_ops = _vllm_ops(ops, vllm_model, vllm_shared)
-        cases["engine_prefill"] |= {"ops": vllm_ops, "path": "vllm_prompt_logprobs"}
+        # shared numerics: the prefill forward's hidden states at the response, scored by the shared head
+        prefill_path = "vllm_prefill_hidden_states" if vllm_shared else "vllm_prompt_logprobs"
+        cases["engine_prefill"] |= {"ops": vllm_ops, "path": prefill_path}
         cases["engine_decode"] |= {"ops": vllm_ops, "path": "vllm_paged_decode_raw_logits"}
         cases["sampler"] |= {"ops": vllm_ops, "path": "vllm_processed_logprobs"}
     invariant = ops.name == "invariant"

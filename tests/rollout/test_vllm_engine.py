@@ -105,6 +105,23 @@ def test_records_streams_and_groups(engine: VllmEngine, ckpts: dict[str, tuple[T
     assert all(torch.equal(a.response_T, b.response_T) for a, b in zip(alone, samples[3:], strict=True))
 
 
+def test_the_prefill_stream_from_hidden_states_is_vllms_prompt_logprobs(engine: VllmEngine) -> None:
+    """Under shared numerics the rescoring pass scores the prefill forward's hidden states at the
+    response's positions only (the decode tap's ``Scoring``, the declared transforms applied there): the
+    same bits as vLLM's prompt log-probs, which run the head and log-softmax at every position."""
+    assert engine.scores_hidden_states
+    req = GenerationRequest([31, 32], prompts([7, 1]), n=3, max_new_tokens=10, seed=5)
+    scored = engine.generate(req)
+    engine.scores_hidden_states = False
+    try:
+        logprobs = engine.generate(req)
+    finally:
+        engine.scores_hidden_states = True
+    for a, b in zip(scored, logprobs, strict=True):
+        assert torch.equal(a.response_T, b.response_T) and a.prefill_logp.shape == a.response_T.shape
+        assert torch.equal(a.prefill_logp, b.prefill_logp)
+
+
 def test_prefill_fraction_rescores_only_the_chosen_sequences(engine: VllmEngine) -> None:
     req = GenerationRequest([21, 22, 23], prompts([6, 8, 4]), n=4, max_new_tokens=8, seed=9)
     full = engine.generate(req)

@@ -10,11 +10,12 @@ this module replaces, under ``kernels=invariant`` on CPU, is the arithmetic:
   forward. vLLM's metadata (query start offsets, sequence lengths, block table, slot mapping) is used as
   vLLM built it, so prefix-cached blocks and chunked prompts are read where vLLM put them.
 * :func:`shared_log_softmax` routes ``aten::_log_softmax`` on CPU to the invariant log-softmax while vLLM
-  runs a request: vLLM's sampler (the sampler stream, ``processed_logprobs``) and its prompt log-probs
-  (the prefill stream) then reduce each row in the order the trainer and the decode stream do. This is
-  how vLLM's own batch-invariant mode swaps its log-softmax on GPUs, scoped here to vLLM's calls. In the
-  prefill rescoring pass it also applies rlfw's sampling transforms first (vLLM's prompt log-probs are of
-  the raw logits), so the prefill stream is the processed distribution's, as the decode stream is.
+  runs a request: vLLM's sampler (the sampler stream, ``processed_logprobs``) then reduces each row in
+  the order the trainer and the decode stream do. This is how vLLM's own batch-invariant mode swaps its
+  log-softmax on GPUs, scoped here to vLLM's calls. With transforms given it applies rlfw's sampling
+  transforms first, for vLLM's prompt log-probs, which are of the raw logits. (The engine's rescoring
+  pass no longer asks for them under shared numerics: the decode tap scores the prefill forward's hidden
+  states, :class:`~rlfw.rollout.vllm.tap.Scoring`; they remain the tested equivalent.)
 
 On GPUs vLLM's attention stays (its batch-invariant mode is the shared kernel there), so the contract
 claims these pairs bitwise for the CPU engine only.

@@ -8,10 +8,13 @@ Streams (design §2) and where each comes from:
   sampler head's logits to sample from (:class:`~rlfw.rollout.vllm.tap.SamplerHead`).
 * ``decode_logp`` (s^D): the raw logits of the same decode step, read by
   :class:`~rlfw.rollout.vllm.tap.DecodeTap` inside vLLM's sampler, with rlfw's transforms replayed.
-* ``prefill_logp`` (s^P): each finished sequence rescored as a prompt (``prompt_logprobs``, which skips
-  the prefix cache) at the final version, rlfw's transforms replayed on the raw prompt log-probs. With no
-  transforms declared the token's own prompt log-prob suffices; otherwise the full-vocabulary row is
-  fetched (cost grows with the vocabulary).
+* ``prefill_logp`` (s^P): each finished sequence rescored as a prompt at the final version, in a prefill
+  forward that skips the prefix cache. When vLLM runs the trainer's arithmetic the decode tap scores that
+  forward's hidden states at the response's positions (:class:`~rlfw.rollout.vllm.tap.Scoring`: the LM
+  head on those rows only, then the shared log-softmax at each token). Otherwise vLLM's own prompt
+  log-probs (``prompt_logprobs``) with rlfw's transforms replayed on them: with no transforms declared the
+  token's own prompt log-prob suffices; otherwise the full-vocabulary row is fetched (cost grows with the
+  vocabulary).
 
 So the decode~sampler pair measures vLLM's sampling transforms against rlfw's, prefill~decode vLLM's
 prefill path against its decode path, and trainer~prefill the trainer against vLLM's prefill. With the
@@ -39,6 +42,7 @@ needs; on CPU that is also the only supported mode.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -181,6 +185,9 @@ class VllmEngine:
         # take the invariant log-softmax too (rlfw.rollout.vllm.attention), so the streams share bits.
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.shared_numerics = vllm_shares_numerics(kernels, self.model_impl, device)
+        # the prefill stream from the rescoring forward's hidden states (the tap scores them); otherwise
+        # from vLLM's prompt log-probs (the same bits under shared numerics, tested; slower)
+        self.scores_hidden_states = self.shared_numerics
 
     def _run(
         self,
@@ -385,10 +392,11 @@ class VllmEngine:
     def _rescore(self, samples: list[Sample], tag: str = "") -> dict[int, Tensor]:
         """``prefill_logp``: every finished sequence as one prompt, at the current (final) version.
 
-        vLLM's prompt log-probs are of the raw logits. When the engine shares the numerics, the shared
-        log-softmax applies rlfw's transforms inside that pass, so the sequence's own token's entry is the
-        stream (the same arithmetic as the decode stream and the trainer). Otherwise, with transforms
-        declared, the full-vocabulary rows are fetched and the transforms replayed on them.
+        When the engine shares the numerics, each sequence is a one-token request that skips the prefix
+        cache, and the decode tap scores the response's positions from the prefill forward's hidden
+        states (the shared head, rlfw's transforms and log-softmax: the arithmetic of the decode stream
+        and the trainer). Otherwise vLLM's prompt log-probs, of the raw logits: with transforms declared,
+        the full-vocabulary rows are fetched and the transforms replayed on them.
 
         Returns, for an MoE model, each rescored sample's expert ids at its last position (keyed by
         ``id(sample)``): no generation step fed that token, the rescoring forward did."""
@@ -397,29 +405,46 @@ class VllmEngine:
 
         if not samples:
             return {}
-        from rlfw.rollout.vllm.tap import RECORDS, TAP_KEY
+        from rlfw.rollout.vllm.tap import RECORDS, SCORE_KEY, TAP_KEY, PrefillScores
 
         own = self.transforms == Transforms() or self.shared_numerics
+        scored = self.scores_hidden_states
 
-        def keys(i: int) -> dict[str, Any]:  # MoE: the tap collects the rescoring forward's routing
+        def keys(i: int, s: Sample) -> dict[str, Any]:  # the tap's record: the stream, MoE routing
             key = (self.id, f"{tag}:rescore:{i}", self.kernels, asdict(self.transforms))
+            if scored:
+                return {"extra_args": {TAP_KEY: key, SCORE_KEY: s.prompt_P.shape[0] - 1}}
             return {"extra_args": {TAP_KEY: key}} if self.records_routing else {}
 
         params = [
             SamplingParams(
-                max_tokens=1, prompt_logprobs=0 if own else -1, flat_logprobs=own, detokenize=False, **keys(i)
+                max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True, detokenize=False, **keys(i, s)
             )
-            for i in range(len(samples))
+            if scored
+            else SamplingParams(
+                max_tokens=1,
+                prompt_logprobs=0 if own else -1,
+                flat_logprobs=own,
+                detokenize=False,
+                **keys(i, s),
+            )
+            for i, s in enumerate(samples)
         ]
         prompts = [TokensPrompt(prompt_token_ids=s.tokens.tolist()) for s in samples]
-        outputs = self._run(prompts, params, self.transforms if self.shared_numerics else None)
+        with PrefillScores() if scored else contextlib.nullcontext():
+            outputs = self._run(prompts, params, self.transforms if self.shared_numerics else None)
         last: dict[int, Tensor] = {}
-        if self.records_routing:
+        if scored or self.records_routing:
             records = RECORDS.setdefault(self.id, {})
             for i, s in enumerate(samples):
                 t = records.pop((f"{tag}:rescore:{i}", 0))
-                last[id(s)] = t.routing[0][-1:]
+                if t.scoring is not None:
+                    s.prefill_logp = t.scoring.result()
+                if self.records_routing:
+                    last[id(s)] = t.routing[0][-1:]
         for s, out in zip(samples, outputs, strict=True):
+            if scored:
+                continue
             p = s.prompt_P.shape[0]
             if own:  # one entry per position after the first: the position's own token
                 flat = out.prompt_logprobs

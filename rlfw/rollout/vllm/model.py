@@ -249,7 +249,13 @@ class RlfwForCausalLM(Transformer):
         if trace is not None:
             publish_routing(trace.stacked()[0])
         out = self.model.norm(x, ctx)[0]
-        return out if rows is None else out[rows]
+        out = out if rows is None else out[rows]
+        from rlfw.rollout.vllm import tap
+
+        if tap.SCORING[0]:  # the engine rescores: the tap scores each request's rows with this head
+            tap.SCORING_HEAD[:] = [self.full_logits]
+            tap.STEP_HIDDEN[:] = per_request(out)
+        return out
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """The LM head through ``ops.linear``, as in the trainer's scoring forward. While the engine
@@ -259,13 +265,17 @@ class RlfwForCausalLM(Transformer):
         from rlfw.rollout.sampling import sampler_head
         from rlfw.rollout.vllm import tap
 
-        full = self.ops.linear(hidden_states, self.output_weight)
+        full = self.full_logits(hidden_states)
         tap.STEP_DECODE_LOGITS.clear()
         precision = tap.SAMPLER_PRECISION[0]
         if precision == "fp32":
             return full
         tap.STEP_DECODE_LOGITS.append(full)
         return sampler_head(hidden_states, self.output_weight, precision, self.ops.linear)
+
+    def full_logits(self, hidden_states: Tensor) -> Tensor:
+        """The full-precision LM head through ``ops.linear``, as in the trainer's scoring forward."""
+        return self.ops.linear(hidden_states, self.output_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Load checkpoint tensors into the parameters of the same name; unknown names are refused.
@@ -292,22 +302,26 @@ class RlfwForCausalLM(Transformer):
         return loaded
 
 
-def publish_routing(ids: Tensor) -> None:
-    """Hand this step's expert ids (``[N, n_moe_layers, k]`` for vLLM's flat batch of ``N`` tokens) to
-    the decode tap, split per request: vLLM lays a step's tokens out request by request in its batch
-    order (``query_start_loc``), the order in which the tap sees the requests' logits rows."""
+def per_request(rows: Tensor) -> list[Tensor]:
+    """``rows [N, ...]`` of vLLM's flat batch of ``N`` tokens split per request: vLLM lays a step's tokens
+    out request by request in its batch order (``query_start_loc``), the order in which the decode tap
+    sees the requests' logits rows. Empty outside a step (vLLM's warm-up and profiling passes)."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    from rlfw.rollout.vllm import tap
-
-    tap.STEP_ROUTING.clear()
     if not is_forward_context_available():
-        return
+        return []
     metadata = get_forward_context().attn_metadata
     if isinstance(metadata, dict):
         metadata = next(iter(metadata.values()), None)
-    if metadata is None:  # vLLM's warm-up and profiling passes
-        return
+    if metadata is None:
+        return []
     starts = metadata.query_start_loc.tolist()
-    ids = ids.cpu()
-    tap.STEP_ROUTING.extend(ids[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True))
+    return [rows[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def publish_routing(ids: Tensor) -> None:
+    """Hand this step's expert ids (``[N, n_moe_layers, k]`` for vLLM's flat batch of ``N`` tokens) to
+    the decode tap, per request (:func:`per_request`)."""
+    from rlfw.rollout.vllm import tap
+
+    tap.STEP_ROUTING[:] = per_request(ids.cpu())

@@ -24,6 +24,15 @@ tokens carry the version of the recomputing step) and drops the routing collecte
 recomputing forward feeds every position again, at the new version, as the built-in engine's
 recompute does).
 
+The prefill stream, when vLLM runs the trainer's arithmetic (:func:`~rlfw.contract.vllm_shares_numerics`):
+the engine rescores each finished sequence as a one-token request that skips the prefix cache, so vLLM's
+prefill forward computes every position. While it does (:class:`PrefillScores`), the registered model
+publishes each request's final hidden states (:data:`STEP_HIDDEN`) and its LM head, and the tap scores
+the positions a rescoring request names (:class:`Scoring`): the head on those rows only, then rlfw's
+transforms and ``ops.token_logp`` at the next token, the same arithmetic as vLLM's prompt log-probs
+under the shared log-softmax (the head's rows and ``token_logp`` do not depend on which other rows run),
+without the head over the prompt, the full log-softmax written out and the rank count.
+
 Reduced-precision samplers (``engine.sampler.precision=bf16|fp8``): while the engine generates, the
 registered model's LM head hands vLLM the sampler head's logits (what vLLM then samples from and reports
 as the sampler stream) and publishes the full-precision logits of the same rows
@@ -38,6 +47,7 @@ in their seed). All requests of one engine share its transforms and op set.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +59,38 @@ from rlfw.kernels import get_ops
 from rlfw.model.distribution import Transforms, process_logits, row_blocks
 
 TAP_KEY = "rlfw_tap"
+SCORE_KEY = "rlfw_score_from"  # extra_args of a rescoring request: the first position it scores
+
+
+@dataclass
+class Scoring:
+    """A rescoring request's prefill stream: the log-prob of each token after position ``first`` of
+    ``tokens`` (its prompt), from the hidden states of the positions as vLLM's prefill feeds them."""
+
+    first: int
+    tokens: list[int]
+    fed: int = 0  # positions the model has computed so far (prefill chunks)
+    logp: list[Tensor] = field(default_factory=list)
+
+    def take(
+        self, hidden: Tensor, head: Callable[[Tensor], Tensor], ops: Any, transforms: Transforms
+    ) -> None:
+        """Score this step's rows (``hidden [n, H]``, positions ``fed..fed+n``) that have a next token."""
+        start, stop = max(self.first, self.fed), min(self.fed + hidden.shape[0], len(self.tokens) - 1)
+        if start < stop:
+            logits = head(hidden[start - self.fed : stop - self.fed])
+            targets = torch.tensor(self.tokens[start + 1 : stop + 1], device=logits.device)
+            for r in row_blocks(*logits.shape):  # a few rows of a real vocabulary at a time, in cache
+                self.logp.append(ops.token_logp(process_logits(logits[r], transforms), targets[r]).cpu())
+        self.fed += hidden.shape[0]
+
+    def result(self) -> Tensor:
+        """The stream, once the whole prompt was fed."""
+        if self.fed != len(self.tokens):
+            raise RuntimeError(
+                f"vLLM fed {self.fed} of the {len(self.tokens)} positions of a rescored sequence"
+            )
+        return torch.cat(self.logp) if self.logp else torch.zeros(0)
 
 
 @dataclass
@@ -66,6 +108,7 @@ class Tracked:
     kv_oldest: int | None = None  # oldest weight version among this request's K/V entries
     refilled: bool = True  # vLLM (re)wrote its K/V from this step on: first scheduled, or preempted
     preemptions: int = 0  # vLLM's preemption count for the request when last resumed
+    scoring: Scoring | None = None  # a rescoring request's prefill stream (the tap scores its prompt)
 
     def stamp(self, version: int) -> None:
         """After an engine step at ``version``: stamp the tokens that step drew. The step that first
@@ -128,6 +171,24 @@ class SamplerHead:
         STEP_DECODE_LOGITS.clear()
 
 
+class PrefillScores:
+    """``with PrefillScores():`` the registered model publishes each step's final hidden states per
+    request (:data:`STEP_HIDDEN`) and its LM head (:data:`SCORING_HEAD`), for the tap's rescoring."""
+
+    def __enter__(self) -> None:
+        SCORING[0] = True
+
+    def __exit__(self, *exc: object) -> None:
+        SCORING[0] = False
+        STEP_HIDDEN.clear()
+        SCORING_HEAD.clear()
+
+
+SCORING = [False]
+# While scoring: the current step's final hidden states per request in batch order, and the LM head.
+STEP_HIDDEN: list[Tensor] = []
+SCORING_HEAD: list[Callable[[Tensor], Tensor]] = []
+
 # The current step's expert ids per request in batch order, published by the registered MoE model's
 # forward (rlfw.rollout.vllm.model.publish_routing) just before vLLM samples from its logits.
 STEP_ROUTING: list[Tensor] = []
@@ -155,22 +216,29 @@ class DecodeTap(LogitsProcessor):
             return
         for index in batch_update.removed:
             self.rows.pop(index, None)
-        for index, params, _prompt, output in batch_update.added:
+        for index, params, prompt, output in batch_update.added:
             self.rows.pop(index, None)
             tagged = tag_of(params)
             if tagged is not None:
                 (engine, request_key, kernels, transforms), seed = tagged
                 records = RECORDS.setdefault(engine, {})
                 resumed = records.get((request_key, seed))
-                if resumed is not None and output:  # back in the batch: unscheduled for a while, or preempted
+                # back in the batch (unscheduled for a while, or preempted): after its first token, or
+                # a rescoring request between prefill chunks
+                if resumed is not None and (output or resumed.scoring is not None):
                     resumed.output = output
                     count = PREEMPTIONS.get(engine, {}).get((request_key, seed), resumed.preemptions)
                     if count > resumed.preemptions:  # preempted: vLLM recomputes its K/V in this step
                         resumed.preemptions, resumed.refilled = count, True
                         resumed.routing.clear()
+                        if resumed.scoring is not None:
+                            resumed.scoring = Scoring(resumed.scoring.first, resumed.scoring.tokens)
                     self.rows[index] = resumed
                 else:
                     t = Tracked(Transforms(**transforms), kernels, output)
+                    first = params.extra_args.get(SCORE_KEY)
+                    if first is not None:
+                        t.scoring = Scoring(int(first), list(prompt))
                     records[(request_key, seed)] = self.rows[index] = t
         for a, b, direction in batch_update.moved:
             ta, tb = self.rows.pop(a, None), self.rows.pop(b, None)
@@ -181,6 +249,13 @@ class DecodeTap(LogitsProcessor):
 
     def apply(self, logits: Tensor) -> Tensor:
         live = [(i, t) for i, t in self.rows.items() if i < logits.shape[0]]
+        if any(t.scoring is not None for _, t in live):
+            for i, t in live:
+                if t.scoring is not None:
+                    t.scoring.take(STEP_HIDDEN[i], SCORING_HEAD[0], get_ops(t.kernels), t.transforms)
+                    if i < len(STEP_ROUTING):
+                        t.routing.append(STEP_ROUTING[i])
+            live = [(i, t) for i, t in live if t.scoring is None]
         if live:
             first = live[0][1]
             ops = get_ops(first.kernels)
