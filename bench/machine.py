@@ -25,8 +25,14 @@ def _cpuinfo() -> dict[str, str]:
 
 
 def cpu_model() -> str:
-    """The CPU's model name as the kernel reports it, else what ``platform`` knows."""
-    return _cpuinfo().get("model name") or platform.processor() or "unknown CPU"
+    """The CPU's model name as the kernel reports it, else what ``platform`` knows; with its family and
+    model numbers, since a VM may name only the brand (``AMD EPYC`` is family 25 on Zen 3 and 4, family
+    26 on Zen 5, whose 512-bit units run AVX-512 at twice Zen 4's width)."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or "unknown CPU"
+    if "cpu family" in info and "model" in info:
+        name += f" (family {info['cpu family']}, model {info['model']})"
+    return name
 
 
 def vector_set() -> str:
@@ -38,5 +44,6 @@ def vector_set() -> str:
 
 
 def describe() -> str:
-    """``"x86_64, 2 cores, AMD EPYC, AVX2"``: architecture, cores, CPU model, vector set."""
+    """``"x86_64, 2 cores, AMD EPYC (family 26, model 2), AVX-512"``: architecture, cores, CPU model,
+    vector set."""
     return f"{platform.machine()}, {os.cpu_count()} cores, {cpu_model()}, {vector_set()}"

@@ -178,7 +178,7 @@ def build_contract(
 
     vLLM engine: with the shared model on the invariant op set on a CPU (:func:`vllm_shares_numerics`),
     vLLM's prefill, decode and sampler run the trainer's arithmetic (the shared attention over vLLM's
-    paged cache, the shared log-softmax in its sampler and prompt log-probs), and the same pairs as the
+    paged cache, the shared log-softmax in its sampler and rescoring pass), and the same pairs as the
     native engine's are claimed bitwise. Otherwise (vLLM's attention on GPUs, or its whole stock model)
     every pair that touches vLLM declares a bound instead of bits.
 
