@@ -416,19 +416,15 @@ class VllmEngine:
                 return {"extra_args": {TAP_KEY: key, SCORE_KEY: s.prompt_P.shape[0] - 1}}
             return {"extra_args": {TAP_KEY: key}} if self.records_routing else {}
 
-        params = [
-            SamplingParams(
-                max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True, detokenize=False, **keys(i, s)
-            )
+        # scored: a one-token request whose prefill feeds every position, its hidden states scored by the
+        # tap; otherwise vLLM's prompt log-probs (the sequence's own tokens, or full rows to replay on)
+        how = (
+            {"temperature": 0.0, "skip_reading_prefix_cache": True}
             if scored
-            else SamplingParams(
-                max_tokens=1,
-                prompt_logprobs=0 if own else -1,
-                flat_logprobs=own,
-                detokenize=False,
-                **keys(i, s),
-            )
-            for i, s in enumerate(samples)
+            else {"prompt_logprobs": 0 if own else -1, "flat_logprobs": own}
+        )
+        params = [
+            SamplingParams(max_tokens=1, detokenize=False, **how, **keys(i, s)) for i, s in enumerate(samples)
         ]
         prompts = [TokensPrompt(prompt_token_ids=s.tokens.tolist()) for s in samples]
         with PrefillScores() if scored else contextlib.nullcontext():
@@ -442,9 +438,9 @@ class VllmEngine:
                     s.prefill_logp = t.scoring.result()
                 if self.records_routing:
                     last[id(s)] = t.routing[0][-1:]
+        if scored:
+            return last
         for s, out in zip(samples, outputs, strict=True):
-            if scored:
-                continue
             p = s.prompt_P.shape[0]
             if own:  # one entry per position after the first: the position's own token
                 flat = out.prompt_logprobs
