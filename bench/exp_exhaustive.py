@@ -5,7 +5,8 @@ The CPU kernels compute the attention's softmax exponentials and SiLU's with the
 It was written to give the bits the attention had when it called ``std::exp`` (glibc's ``expf``); this
 script checks that claim exhaustively: it compiles the header's exp section (from ``kExp2Table`` to the
 end of its namespace) into a small C++ program with the kernels' build flags and compares both its scalar
-and its eight-lane path with ``expf`` bit for bit, NaN payloads included. About 45 s on one core.
+and its eight-lane path (and, where the machine has AVX-512, its sixteen-lane path: the log-softmax's) with
+``expf`` bit for bit, NaN payloads included. About 60 s on one core.
 
     .venv/bin/python bench/exp_exhaustive.py
 """
@@ -32,24 +33,33 @@ HARNESS = r"""
 constexpr int64_t kExpLanes = 8;
 %(section)s
 int main() {
-  long bad_scalar = 0, bad_vector = 0;
-  alignas(32) float xs[8], ys[8];
-  for (uint64_t u = 0; u < (1ULL << 32); u += 8) {
-    for (int k = 0; k < 8; ++k) { uint32_t b = (uint32_t)(u + k); std::memcpy(&xs[k], &b, 4); }
+  long bad_scalar = 0, bad_vector = 0, bad_wide = 0;
+  alignas(64) float xs[16], ys[16], zs[16];
+  for (uint64_t u = 0; u < (1ULL << 32); u += 16) {
+    for (int k = 0; k < 16; ++k) { uint32_t b = (uint32_t)(u + k); std::memcpy(&xs[k], &b, 4); }
     _mm256_store_ps(ys, exp8(_mm256_load_ps(xs)));
-    for (int k = 0; k < 8; ++k) {
+    _mm256_store_ps(ys + 8, exp8(_mm256_load_ps(xs + 8)));
+#if RLFW_EXP16
+    _mm512_store_ps(zs, exp16(_mm512_load_ps(xs)));
+#else
+    std::memcpy(zs, ys, sizeof zs);
+#endif
+    for (int k = 0; k < 16; ++k) {
       volatile float x = xs[k];
       const float ref = expf(x), one = exp_f32(xs[k]);
-      uint32_t a, b, c;
-      std::memcpy(&a, &ref, 4); std::memcpy(&b, &one, 4); std::memcpy(&c, &ys[k], 4);
+      uint32_t a, b, c, d;
+      std::memcpy(&a, &ref, 4); std::memcpy(&b, &one, 4);
+      std::memcpy(&c, &ys[k], 4); std::memcpy(&d, &zs[k], 4);
       const unsigned at = (unsigned)(u + k);
       if (a != b && bad_scalar++ < 5) std::printf("scalar at %%08x: expf %%08x, kernel %%08x\n", at, a, b);
       if (a != c && bad_vector++ < 5) std::printf("vector at %%08x: expf %%08x, kernel %%08x\n", at, a, c);
+      if (a != d && bad_wide++ < 5) std::printf("16-lane at %%08x: expf %%08x, kernel %%08x\n", at, a, d);
     }
   }
-  std::printf("all 2^32 floats: scalar path differs on %%ld, eight-lane path on %%ld\n",
-              bad_scalar, bad_vector);
-  return bad_scalar || bad_vector;
+  std::printf("all 2^32 floats: scalar path differs on %%ld, eight-lane path on %%ld, "
+              "sixteen-lane path%%s on %%ld\n",
+              bad_scalar, bad_vector, RLFW_EXP16 ? "" : " (not compiled: the eight-lane's)", bad_wide);
+  return bad_scalar || bad_vector || bad_wide;
 }
 """
 

@@ -18,7 +18,15 @@ from typing import Any
 
 SOURCES = [
     Path(__file__).with_name("csrc") / name
-    for name in ("module.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp", "sampling.cpp", "block.cpp")
+    for name in (
+        "module.cpp",
+        "linear.cpp",
+        "attention.cpp",
+        "elementwise.cpp",
+        "sampling.cpp",
+        "block.cpp",
+        "softmax.cpp",
+    )
 ]
 HEADERS = [Path(__file__).with_name("csrc") / "exp_f32.h"]
 """Included by the sources: copied beside them and part of the build key, never compiled alone."""

@@ -39,6 +39,26 @@ def _linear_record(backend: str) -> dict[str, Any]:
     return {"impl": "torch_row_block_matmul", **blocks, **common}
 
 
+def _log_softmax_record(triton_like: bool, off_cpu: bool) -> dict[str, Any]:
+    from rlfw.kernels import triton_config as tc
+
+    if not off_cpu:  # the compiled row statistics (kernels/csrc/softmax.cpp)
+        return {
+            "impl": "cpp_row_max_then_exp_sum",
+            "math": "fp32",
+            "shift": "row_max_canonical_zero",
+            "exp": "own_fp32_exp_table32_cubic_double",
+            "sum": "fp64_16_lanes_halving_fold",
+            "log": "torch",
+        }
+    return {
+        "impl": "triton_row" if triton_like else "torch_row",
+        "math": "fp32",
+        "shift": "row_max_canonical_zero",
+        "v_chunk": tc.LSM_BLOCK_V if triton_like else reduce.SUM_CHUNK,
+    }
+
+
 def _attention_record(backend: str) -> dict[str, Any]:
     from rlfw.kernels import triton_config as tc
 
@@ -87,7 +107,6 @@ def _rms_norm_record(triton_like: bool, off_cpu: bool) -> dict[str, Any]:
 
 def describe_invariant(backend: str) -> dict[str, Any]:
     """The record of :class:`~rlfw.kernels.invariant.InvariantOps` on ``backend``."""
-    from rlfw.kernels import triton_config as tc
 
     if backend == "vllm":
         return _describe_vllm()
@@ -113,12 +132,7 @@ def describe_invariant(backend: str) -> dict[str, Any]:
             "round": "once",
         },
         "attention": _attention_record(backend),
-        "log_softmax": {
-            "impl": "triton_row" if triton_like else "torch_row",
-            "math": "fp32",
-            "shift": "row_max_canonical_zero",
-            "v_chunk": tc.LSM_BLOCK_V if triton_like else reduce.SUM_CHUNK,
-        },
+        "log_softmax": _log_softmax_record(triton_like, off_cpu),
         "token_logp": {"impl": "gather_of_log_softmax_arithmetic"},
         "entropy": {"impl": "log_softmax_then_row_sum", "sum_chunk": reduce.SUM_CHUNK},
         "router_topk": {

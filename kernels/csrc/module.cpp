@@ -24,6 +24,7 @@ std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const to
                                              const torch::Tensor& r, const torch::Tensor& w);
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor& u, bool keep_denom);
+std::vector<torch::Tensor> softmax_stats(const torch::Tensor& x);
 torch::Tensor gumbel(const torch::Tensor& seeds, int64_t vocab);
 torch::Tensor gumbel_argmax(const torch::Tensor& logits, const torch::Tensor& seeds);
 std::vector<torch::Tensor> stable_topk(const torch::Tensor& values, int64_t k);
@@ -60,6 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rms_norm_backward", &rms_norm_backward, "(dx, d weight) of RMSNorm, one pass per row");
   mod.def("attention_backward", &attention_backward, "(dq, dk, dv) of attention over the batch's own K/V");
   mod.def("exp", &exp_f32_tensor, "the attention softmax's fp32 exp, elementwise (tests)");
+  mod.def("softmax_stats", &softmax_stats,
+          "(max, sum of exp(x - max)) of each row: the log-softmax's statistics, one thread a row, fixed order");
   mod.def("gumbel", &gumbel, "seeded Gumbel noise [N, vocab], row i from seeds[i] alone (SplitMix64)");
   mod.def("gumbel_argmax", &gumbel_argmax,
           "argmax(logits + gumbel(seeds)) per row, ties to the lowest id, the noise computed where it can win");
