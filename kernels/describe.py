@@ -49,7 +49,7 @@ def _log_softmax_record(triton_like: bool, off_cpu: bool) -> dict[str, Any]:
             "shift": "row_max_canonical_zero",
             "exp": "own_fp32_exp_table32_cubic_double",
             "sum": "fp64_16_lanes_halving_fold",
-            "log": "torch",
+            "log": "own_fp64_atanh_series",
         }
     return {
         "impl": "triton_row" if triton_like else "torch_row",

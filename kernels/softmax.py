@@ -1,13 +1,18 @@
 """Row log-softmax, token log-probs and entropy in fp32.
 
 ``log_softmax(x) = (x - m) - lse`` per row, with ``m`` the row's max (``-0.0`` canonicalised, see
-:func:`~rlfw.kernels.reduce.row_max`) and ``lse = log(s)``, ``s`` the sum of ``exp(x - m)``. On CPU the
-compiled kernel computes ``m`` and ``s`` (``kernels/csrc/softmax.cpp``): the exponentials are the kernels'
-own ``exp_f32`` (the attention's and SiLU's, so no log-prob depends on which exp a torch build vectorises
-with), summed in double in sixteen lanes in a fixed order, without writing them out. Elsewhere (CUDA
-tensors under the torch op set) ``s`` is :func:`~rlfw.kernels.reduce.row_sum` of torch's ``exp``. Either
-way a row's result never depends on its batch, and ``log`` is torch's on the ``[...]`` sums (its SIMD and
-scalar paths agree). Under autograd the gradient is the closed form of :mod:`rlfw.kernels.grads`.
+:func:`~rlfw.kernels.reduce.row_max`) and ``lse`` the log of the sum of ``exp(x - m)``.
+
+* On CPU the compiled kernel computes all of it (``kernels/csrc/softmax.cpp``, whose header states the
+  arithmetic): the exponentials are the kernels' own ``exp_f32`` (the attention's and SiLU's), summed in
+  double in sixteen lanes in a fixed order without being written out, and the log is the kernel's own too.
+  No log-prob depends on which exp or log a torch build or C library vectorises with, and a row's three
+  passes run while it is in cache.
+* Elsewhere (CUDA tensors under the torch op set) the sum is :func:`~rlfw.kernels.reduce.row_sum` of torch's
+  ``exp`` and the log torch's.
+
+Either way a row's result never depends on its batch. Under autograd the gradient is the closed form of
+:mod:`rlfw.kernels.grads`.
 """
 
 from __future__ import annotations
@@ -19,21 +24,31 @@ from rlfw.kernels import cpu_native, grads
 from rlfw.kernels.reduce import row_max, row_sum
 
 
+def _compiled(x: Tensor) -> bool:
+    return cpu_native.serves(x) and x.numel() > 0
+
+
 def row_stats(logits: Tensor) -> tuple[Tensor, Tensor]:
     """``(m [...], lse [...])`` of fp32 rows, with ``log_softmax = (x - m[..., None]) - lse[..., None]``."""
     x = logits.detach().float()
-    if cpu_native.serves(x) and x.numel() > 0:
-        m, s = cpu_native.module().softmax_stats(x.reshape(-1, x.shape[-1]).contiguous())
-        return m.view(x.shape[:-1]), s.log_().view(x.shape[:-1])
+    if _compiled(x):
+        m, lse = cpu_native.module().softmax_stats(x.reshape(-1, x.shape[-1]).contiguous())
+        return m.view(x.shape[:-1]), lse.view(x.shape[:-1])
     m = row_max(x)
     return m, row_sum((x - m.unsqueeze(-1)).exp()).log()
 
 
 def _log_softmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
     x = logits.detach().float()
+    if _compiled(x):
+        into = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else None
+        target = torch.empty(x.shape, dtype=torch.float32) if into is None else into
+        v = x.shape[-1]
+        cpu_native.module().log_softmax_into(x.reshape(-1, v).contiguous(), target.view(-1, v))
+        return target if out is None or into is not None else out.copy_(target)
     m, lse = row_stats(x)
-    out = torch.sub(x, m.unsqueeze(-1), out=out)
-    return out.sub_(lse.unsqueeze(-1))
+    result = torch.sub(x, m.unsqueeze(-1), out=out)
+    return result.sub_(lse.unsqueeze(-1))
 
 
 def log_softmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
@@ -45,6 +60,10 @@ def log_softmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
 
 def _token_logp(logits: Tensor, ids: Tensor) -> Tensor:
     x = logits.detach().float()
+    if _compiled(x):
+        v = x.shape[-1]
+        flat = cpu_native.module().token_logp(x.reshape(-1, v).contiguous(), ids.reshape(-1))
+        return flat.view(x.shape[:-1])
     m, lse = row_stats(x)
     return (x.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - m) - lse
 

@@ -1,6 +1,6 @@
-"""The compiled log-softmax statistics (``kernels/csrc/softmax.cpp``): the function its header states, bit
-for bit, on every kind of row the engines and the trainer feed it; the log-softmax built from them; their
-accuracy at a real vocabulary; and bits that do not depend on the thread count."""
+"""The compiled log-softmax (``kernels/csrc/softmax.cpp``): the function its header states, bit for bit, on
+every kind of row the engines and the trainer feed it; the log-softmax and token log-probs built from it;
+its log; its accuracy at a real vocabulary; and bits that do not depend on the thread count."""
 
 from __future__ import annotations
 
@@ -16,8 +16,24 @@ from tests.kernels.bits import assert_same_bits
 LENGTHS = [1, 2, 15, 16, 17, 31, 33, 100, 1024, 3001]
 
 
+def _log_as_documented(x: float) -> float:
+    """The header's ``log_f64``, one double operation at a time in the stated order."""
+    if not x > 0.0 or x == math.inf:
+        return -math.inf if x == 0.0 else x if x == math.inf else math.nan
+    f, e = math.frexp(x)  # x = f 2^e with f in [0.5, 1): as f in [1, 2), e - 1
+    f, e = f * 2.0, e - 1
+    if f > 1.41421356237309504880:
+        f, e = f * 0.5, e + 1
+    t = (f - 1.0) / (f + 1.0)
+    t2 = t * t
+    p = 2.0 / 23
+    for k in range(10, -1, -1):
+        p = 2.0 / (2 * k + 1) + t2 * p
+    return t * p + e * 0.69314718055994530942
+
+
 def _stats_as_documented(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, s)`` of one fp32 row as the header states them, one lane at a time in numpy float64.
+    """``(m, lse)`` of one fp32 row as the header states them, one lane at a time in numpy float64.
 
     The exponentials come from the kernels' exp (``tests/kernels/test_attention.py`` checks it against
     its own statement and against the C library's ``expf``)."""
@@ -32,7 +48,7 @@ def _stats_as_documented(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         lanes[: chunk.shape[0]] = lanes[: chunk.shape[0]] + chunk  # elementwise: each lane adds in j order
     for h in (8, 4, 2, 1):
         lanes[:h] = lanes[:h] + lanes[h : 2 * h]
-    return m.float(), torch.tensor(np.float32(lanes[0]))
+    return m.float(), torch.tensor(np.float32(_log_as_documented(float(lanes[0]))))
 
 
 def _rows(v: int, seed: int) -> torch.Tensor:
@@ -55,23 +71,50 @@ def _rows(v: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("v", LENGTHS)
 def test_stats_are_the_documented_function(v: int) -> None:
     x = _rows(v, seed=v)
-    m, s = cpu_native.module().softmax_stats(x)
+    m, lse = cpu_native.module().softmax_stats(x)
     for r in range(x.shape[0]):
-        want_m, want_s = _stats_as_documented(x[r])
+        want_m, want_lse = _stats_as_documented(x[r])
         assert_same_bits(m[r], want_m, f"max V={v} row={r}")
-        assert_same_bits(s[r], want_s, f"sum V={v} row={r}")
+        assert_same_bits(lse[r], want_lse, f"lse V={v} row={r}")
 
 
 @pytest.mark.parametrize("v", [17, 3001])
 def test_log_softmax_and_token_logp_are_built_from_the_stats(v: int) -> None:
     x = _rows(v, seed=v + 1)
-    m, s = cpu_native.module().softmax_stats(x)
-    want = (x - m[:, None]) - s.log()[:, None]
+    m, lse = cpu_native.module().softmax_stats(x)
+    # numpy subtracts as the kernel does (torch's sub is an add of -1 times the operand, whose NaN differs)
+    with np.errstate(invalid="ignore"):  # the all -inf row: -inf - -inf
+        want = torch.from_numpy((x.numpy() - m.numpy()[:, None]) - lse.numpy()[:, None])
     assert_same_bits(softmax.log_softmax(x), want, "log_softmax")
+    into = torch.empty_like(x)
+    softmax.log_softmax(x, out=into)
+    assert_same_bits(into, want, "log_softmax into out")
+    strided = torch.empty(x.shape[1], x.shape[0]).t()
+    softmax.log_softmax(x, out=strided)
+    assert_same_bits(strided, want, "log_softmax into a strided out")
     ids = torch.arange(x.shape[0]) * 7 % v
     assert_same_bits(softmax.token_logp(x, ids), want.gather(-1, ids[:, None])[:, 0], "token_logp")
     logits = x[:4].clone().requires_grad_()  # the trainer's forward under autograd keeps the bits
     assert_same_bits(softmax.log_softmax(logits).detach(), want[:4], "log_softmax under autograd")
+
+
+def test_log_is_the_documented_function_and_near_exact() -> None:
+    """The kernel's log on doubles from tiny to huge, edges included: the stated arithmetic bit for bit, and
+    within two units of double's last place of the C library's log (which is within one of the exact)."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.cat([
+        torch.rand(20000, generator=g, dtype=torch.float64) * 151_936 + 1.0,  # what the rows' sums hold
+        torch.exp(torch.randn(20000, generator=g, dtype=torch.float64) * 200),
+        torch.tensor([1.0, 2.0, 0.5, 1.4142135623730951, 1.4142135623730954, 5e-324, 2.2e-308, 1.7e308]),
+        torch.tensor([0.0, -0.0, -1.0, math.inf, math.nan], dtype=torch.float64),
+    ])
+    got = cpu_native.module().log(x)
+    want = torch.tensor([_log_as_documented(float(v)) for v in x], dtype=torch.float64)
+    assert_same_bits(got.view(torch.int64), want.view(torch.int64), "log as documented")
+    finite = (x > 0) & x.isfinite()
+    exact = torch.tensor([math.log(float(v)) for v in x[finite]], dtype=torch.float64)
+    ulps = ((got[finite] - exact).abs() / torch.finfo(torch.float64).eps / exact.abs().clamp(min=1e-300))
+    assert float(ulps.max()) <= 2.0
 
 
 def test_accurate_at_a_real_vocabulary() -> None:
