@@ -102,18 +102,20 @@ def test_log_is_the_documented_function_and_near_exact() -> None:
     """The kernel's log on doubles from tiny to huge, edges included: the stated arithmetic bit for bit, and
     within two units of double's last place of the C library's log (which is within one of the exact)."""
     g = torch.Generator().manual_seed(6)
-    x = torch.cat([
-        torch.rand(20000, generator=g, dtype=torch.float64) * 151_936 + 1.0,  # what the rows' sums hold
-        torch.exp(torch.randn(20000, generator=g, dtype=torch.float64) * 200),
-        torch.tensor([1.0, 2.0, 0.5, 1.4142135623730951, 1.4142135623730954, 5e-324, 2.2e-308, 1.7e308]),
-        torch.tensor([0.0, -0.0, -1.0, math.inf, math.nan], dtype=torch.float64),
-    ])
+    x = torch.cat(
+        [
+            torch.rand(20000, generator=g, dtype=torch.float64) * 151_936 + 1.0,  # what the rows' sums hold
+            torch.exp(torch.randn(20000, generator=g, dtype=torch.float64) * 200),
+            torch.tensor([1.0, 2.0, 0.5, 1.4142135623730951, 1.4142135623730954, 5e-324, 2.2e-308, 1.7e308]),
+            torch.tensor([0.0, -0.0, -1.0, math.inf, math.nan], dtype=torch.float64),
+        ]
+    )
     got = cpu_native.module().log(x)
     want = torch.tensor([_log_as_documented(float(v)) for v in x], dtype=torch.float64)
     assert_same_bits(got.view(torch.int64), want.view(torch.int64), "log as documented")
     finite = (x > 0) & x.isfinite()
     exact = torch.tensor([math.log(float(v)) for v in x[finite]], dtype=torch.float64)
-    ulps = ((got[finite] - exact).abs() / torch.finfo(torch.float64).eps / exact.abs().clamp(min=1e-300))
+    ulps = (got[finite] - exact).abs() / torch.finfo(torch.float64).eps / exact.abs().clamp(min=1e-300)
     assert float(ulps.max()) <= 2.0
 
 
