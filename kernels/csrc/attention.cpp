@@ -86,9 +86,14 @@ struct PagedAhead {
 constexpr int64_t kAheadK = 16;  // positions of K requested ahead of the score walk
 constexpr int64_t kAheadV = 16;  // positions of V requested ahead of the weighted sum
 
-// e[i] = exp_f32(e[i] - m) for i < n.
+// e[i] = exp_f32(e[i] - m) for i < n (sixteen, eight, then one at a time: the same function on every lane).
 inline void exp_shifted(float* e, int64_t n, float m) {
   int64_t i = 0;
+#if RLFW_EXP16
+  const __m512 mw = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(e + i, rlfw_exp::exp16(_mm512_sub_ps(_mm512_loadu_ps(e + i), mw)));
+#endif
 #if RLFW_AVX2
   const __m256 mv = _mm256_set1_ps(m);
   for (; i + kLanes <= n; i += kLanes) _mm256_storeu_ps(e + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(e + i), mv)));

@@ -235,6 +235,15 @@ std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor&
   float* dn = keep_denom ? denom.data_ptr<float>() : nullptr;
   at::parallel_for(0, g.numel(), kGrain, [&](int64_t i0, int64_t i1) {
     int64_t i = i0;
+#if RLFW_EXP16
+    const __m512 one16 = _mm512_set1_ps(1.0f), sign16 = _mm512_set1_ps(-0.0f);
+    for (; i + 16 <= i1; i += 16) {
+      const __m512 x = _mm512_loadu_ps(gs + i);
+      const __m512 den = _mm512_add_ps(one16, rlfw_exp::exp16(_mm512_xor_ps(x, sign16)));
+      if (dn != nullptr) _mm512_storeu_ps(dn + i, den);
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(x, den), _mm512_loadu_ps(us + i)));
+    }
+#endif
 #if RLFW_AVX2
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (; i + rlfw_exp::kExpLanes <= i1; i += rlfw_exp::kExpLanes) {
