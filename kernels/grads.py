@@ -1,4 +1,5 @@
-"""Training wrappers with closed-form backward passes, for the GPU op sets (Triton and vLLM kernels).
+"""Training wrappers with closed-form backward passes, for the GPU op sets (Triton and vLLM kernels) and the
+CPU log-softmax (whose forward is a compiled kernel, :mod:`rlfw.kernels.softmax`).
 
 The forward is the inference kernel itself (so a trainer's grad forward keeps its bits); the backward is the
 textbook gradient in fp32 torch ops, written out rather than obtained by recomputing the reference forward

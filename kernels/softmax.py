@@ -25,7 +25,7 @@ from rlfw.kernels.reduce import row_max, row_sum
 
 
 def _compiled(x: Tensor) -> bool:
-    return cpu_native.serves(x) and x.numel() > 0
+    return cpu_native.serves(x) and x.dim() >= 1 and x.numel() > 0
 
 
 def row_stats(logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -41,7 +41,10 @@ def row_stats(logits: Tensor) -> tuple[Tensor, Tensor]:
 def _log_softmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
     x = logits.detach().float()
     if _compiled(x):
-        into = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else None
+        if out is not None and out.shape != x.shape:
+            raise ValueError(f"log_softmax: out has shape {tuple(out.shape)}; give one of {tuple(x.shape)}")
+        written = out is not None and cpu_native.serves(out) and out.is_contiguous() and not out.requires_grad
+        into = out if written else None
         target = torch.empty(x.shape, dtype=torch.float32) if into is None else into
         v = x.shape[-1]
         cpu_native.module().log_softmax_into(x.reshape(-1, v).contiguous(), target.view(-1, v))
@@ -61,6 +64,9 @@ def log_softmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
 def _token_logp(logits: Tensor, ids: Tensor) -> Tensor:
     x = logits.detach().float()
     if _compiled(x):
+        if ids.shape != x.shape[:-1]:
+            want = tuple(x.shape[:-1])
+            raise ValueError(f"token_logp: ids have shape {tuple(ids.shape)}; give one of {want}")
         v = x.shape[-1]
         flat = cpu_native.module().token_logp(x.reshape(-1, v).contiguous(), ids.reshape(-1))
         return flat.view(x.shape[:-1])

@@ -7,9 +7,11 @@
 // (exp_f32.h, each difference rounded to fp32 first) in double: element j goes into lane j mod 16, each lane
 // adds in ascending j, and the lanes are folded by halving (lane l += lane l + h for h = 8, 4, 2, 1). lse is
 // log_f64(s) rounded to fp32 once. Every row is one thread's, in that order, on every build (AVX-512, AVX2/FMA
-// or portable: the same additions lane by lane), so the bits depend on the row alone.
+// or portable: the same additions lane by lane; bench/softmax_builds.py compares the three), so the bits
+// depend on the row alone. A row of -inf only has m = -inf and gives NaN everywhere, as does a row holding a
+// NaN; which NaN (its sign) follows the x86 rule that an operation returns its first NaN operand.
 //
-// log_f64(s) is the natural log in double from s = f 2^e (f in [sqrt(1/2), sqrt(2)]): with t = (f - 1) / (f + 1),
+// log_f64(s) is the natural log in double from s = f 2^e (f in (sqrt(2) / 2, sqrt(2)]): with t = (f - 1) / (f + 1),
 // log f = 2 atanh t = t (2 + t^2 (2/3 + t^2 (2/5 + ... + t^2 (2/23)))) evaluated in that order, plus e ln 2.
 // Its own arithmetic (no C library); its error is a few units of double's last place, far below fp32's
 // rounding. One call per row.
@@ -162,8 +164,9 @@ std::vector<torch::Tensor> softmax_stats(const torch::Tensor& x) {
 // softmax_stats).
 void log_softmax_into(const torch::Tensor& x, torch::Tensor out) {
   check_rows(x, "log_softmax_into");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == x.sizes(),
-              "log_softmax_into: out must be a contiguous fp32 tensor shaped like x");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == x.sizes() &&
+                  out.device().is_cpu(),
+              "log_softmax_into: out must be a contiguous fp32 CPU tensor shaped like x");
   rows(x, nullptr, nullptr, out.data_ptr<float>());
 }
 

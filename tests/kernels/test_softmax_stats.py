@@ -53,7 +53,8 @@ def _stats_as_documented(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def _rows(v: int, seed: int) -> torch.Tensor:
     """Rows of length ``v``: plain logits, top-k style (mostly -inf), a wide spread (differences past the
-    exp's edge cases), signed zeros as the max, an all -inf row, and a row holding a NaN and one an inf."""
+    exp's edge cases), signed zeros as the max, -0.0 alone as the max, an all -inf row, a NaN inside the row
+    and one in its last entry, and an inf."""
     g = torch.Generator().manual_seed(seed)
     plain = torch.randn(v, generator=g) * 4
     masked = torch.full((v,), -math.inf)
@@ -62,10 +63,14 @@ def _rows(v: int, seed: int) -> torch.Tensor:
     zeros = -torch.rand(v, generator=g)
     zeros[0] = -0.0
     zeros[v // 2] = 0.0
-    nan, inf = plain.clone(), plain.clone()
+    negative_zero = -torch.rand(v, generator=g) - 0.5  # its only max is -0.0
+    negative_zero[v // 2] = -0.0
+    nan, nan_tail, inf = plain.clone(), plain.clone(), plain.clone()
     nan[v // 3] = math.nan
+    nan_tail[-1] = math.nan  # after the vector body when v is not a multiple of 16
     inf[v // 3] = math.inf
-    return torch.stack([plain, masked, spread, zeros, torch.full((v,), -math.inf), nan, inf])
+    rows = [plain, masked, spread, zeros, negative_zero, torch.full((v,), -math.inf), nan, nan_tail, inf]
+    return torch.stack(rows)
 
 
 @pytest.mark.parametrize("v", LENGTHS)
@@ -142,6 +147,15 @@ def test_bits_do_not_depend_on_the_thread_count() -> None:
 
 
 def test_bad_input_is_refused() -> None:
+    x = torch.randn(2, 6)
+    with pytest.raises(ValueError, match=r"out has shape \(3, 4\); give one of \(2, 6\)"):
+        softmax.log_softmax(x, out=torch.empty(3, 4))
+    with pytest.raises(ValueError, match=r"ids have shape \(3,\); give one of \(2,\)"):
+        softmax.token_logp(x, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="id 6 is outside the vocabulary of 6"):
+        softmax.token_logp(x, torch.tensor([0, 6]))
+    with pytest.raises(RuntimeError, match="out must be a contiguous fp32 CPU tensor"):
+        cpu_native.module().log_softmax_into(x, torch.empty(6, 2).t())
     with pytest.raises(RuntimeError, match="contiguous 2-d fp32 CPU tensor"):
         cpu_native.module().softmax_stats(torch.zeros(3, 4, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="rows must not be empty"):
