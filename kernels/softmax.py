@@ -28,12 +28,14 @@ def _compiled(x: Tensor) -> bool:
     return cpu_native.serves(x) and x.dim() >= 1 and x.numel() > 0
 
 
-def row_stats(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """``(m [...], lse [...])`` of fp32 rows, with ``log_softmax = (x - m[..., None]) - lse[..., None]``."""
-    x = logits.detach().float()
-    if _compiled(x):
-        m, lse = cpu_native.module().softmax_stats(x.reshape(-1, x.shape[-1]).contiguous())
-        return m.view(x.shape[:-1]), lse.view(x.shape[:-1])
+def _flat_rows(x: Tensor) -> Tensor:
+    """``x [..., V]`` as the contiguous ``[R, V]`` the compiled kernel takes."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def row_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(m [...], lse [...])`` of fp32 rows the compiled kernel does not take, in torch ops, with
+    ``log_softmax = (x - m[..., None]) - lse[..., None]``."""
     m = row_max(x)
     return m, row_sum((x - m.unsqueeze(-1)).exp()).log()
 
@@ -43,12 +45,12 @@ def _log_softmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
     if _compiled(x):
         if out is not None and out.shape != x.shape:
             raise ValueError(f"log_softmax: out has shape {tuple(out.shape)}; give one of {tuple(x.shape)}")
-        written = out is not None and cpu_native.serves(out) and out.is_contiguous() and not out.requires_grad
-        into = out if written else None
-        target = torch.empty(x.shape, dtype=torch.float32) if into is None else into
-        v = x.shape[-1]
-        cpu_native.module().log_softmax_into(x.reshape(-1, v).contiguous(), target.view(-1, v))
-        return target if out is None or into is not None else out.copy_(target)
+        if out is not None and cpu_native.serves(out) and out.is_contiguous() and not out.requires_grad:
+            target = out
+        else:
+            target = torch.empty(x.shape, dtype=torch.float32)
+        cpu_native.module().log_softmax_into(_flat_rows(x), target.view(-1, x.shape[-1]))
+        return target if out is None or target is out else out.copy_(target)
     m, lse = row_stats(x)
     result = torch.sub(x, m.unsqueeze(-1), out=out)
     return result.sub_(lse.unsqueeze(-1))
@@ -67,9 +69,7 @@ def _token_logp(logits: Tensor, ids: Tensor) -> Tensor:
         if ids.shape != x.shape[:-1]:
             want = tuple(x.shape[:-1])
             raise ValueError(f"token_logp: ids have shape {tuple(ids.shape)}; give one of {want}")
-        v = x.shape[-1]
-        flat = cpu_native.module().token_logp(x.reshape(-1, v).contiguous(), ids.reshape(-1))
-        return flat.view(x.shape[:-1])
+        return cpu_native.module().token_logp(_flat_rows(x), ids.reshape(-1)).view(x.shape[:-1])
     m, lse = row_stats(x)
     return (x.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - m) - lse
 

@@ -173,7 +173,7 @@ void log_softmax_into(const torch::Tensor& x, torch::Tensor out) {
 // The log-softmax of row r of x [R, V] at ids[r]: (x[r, ids[r]] - m) - lse, the same operations as the
 // written row's element, without writing the row.
 torch::Tensor token_logp(const torch::Tensor& x, const torch::Tensor& ids) {
-  check_rows(x, "token_logp");
+  check_rows(x, "token_logp");  // softmax_stats checks it too; here first, so the op named is this one
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.size(0) == x.size(0) && ids.device().is_cpu(),
               "token_logp: ids must be int64 [R]");
   const auto idc = ids.contiguous();
@@ -181,12 +181,11 @@ torch::Tensor token_logp(const torch::Tensor& x, const torch::Tensor& ids) {
   const int64_t* ip = idc.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r)
     TORCH_CHECK(ip[r] >= 0 && ip[r] < v, "token_logp: id ", ip[r], " is outside the vocabulary of ", v);
-  auto m = torch::empty({n}, x.options()), lse = torch::empty({n}, x.options());
-  rows(x, m.data_ptr<float>(), lse.data_ptr<float>(), nullptr);
+  const auto stats = softmax_stats(x);
   auto out = torch::empty({n}, x.options());
   const float* xs = x.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
-  const float* lp = lse.data_ptr<float>();
+  const float* mp = stats[0].data_ptr<float>();
+  const float* lp = stats[1].data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r) op[r] = (xs[r * v + ip[r]] - mp[r]) - lp[r];
   return out;
