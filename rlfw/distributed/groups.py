@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from rlfw.config import EngineConfig
 from rlfw.distributed.cluster import Pool, free_port
@@ -165,6 +165,34 @@ class TrainerRankDied(RuntimeError):
         self.rank = rank
 
 
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo raises in a rank whose collective partner's process is gone."""
+
+
+def gather_ranks(futures: list[Any], what: str) -> list[Any]:
+    """Every rank's result, or :class:`TrainerRankDied` as soon as one rank's process is gone (the others
+    are then blocked in a collective that will never complete, so nothing waits for them).
+
+    A survivor's collective can fail on the lost connection before Ray reports the dead process; that
+    error says a peer is gone, so the dead rank's own result, which Ray always resolves, is waited for
+    and named instead. Any other error is raised as it is."""
+    pending = list(futures)
+    lost_peer: RayTaskError | None = None
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except RayActorError as err:
+            raise TrainerRankDied(futures.index(ready[0]), what) from err
+        except RayTaskError as err:
+            if not any(marker in str(err) for marker in LOST_PEER):
+                raise
+            lost_peer = lost_peer or err
+    if lost_peer is not None:  # a peer was lost, yet every rank answered: nothing to name
+        raise lost_peer
+    return list(ray.get(futures))
+
+
 class TrainerGroup:
     """The data-parallel trainer ranks; each step's batch is split into contiguous row shards.
 
@@ -207,17 +235,12 @@ class TrainerGroup:
         self._gather([a.start.remote(step) for a in self.actors], "start-up")
 
     def _gather(self, futures: list[Any], what: str) -> list[Any]:
-        """Every rank's result, or :class:`TrainerRankDied` as soon as one rank's process is gone (the
-        others are then blocked in a collective that will never complete, so nothing waits for them)."""
-        pending = list(futures)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(ready[0])
-            except RayActorError as err:
-                self.dead = futures.index(ready[0])
-                raise TrainerRankDied(self.dead, what) from err
-        return list(ray.get(futures))
+        """:func:`gather_ranks`, remembering which rank died (:meth:`shutdown` then stops the rest)."""
+        try:
+            return gather_ranks(futures, what)
+        except TrainerRankDied as err:
+            self.dead = err.rank
+            raise
 
     def train(self, batch: TrainBatch) -> TrainResult:
         if len(batch) < len(self.actors):
