@@ -7,7 +7,8 @@ by ``-march=native``; its header claims they compute the same additions lane by 
 machine builds only one of them. This script builds ``softmax.cpp`` twice more beside the checkout's
 extension, with ``-march=x86-64-v3`` (AVX2/FMA, no AVX-512) and ``-march=x86-64`` (no AVX2, no FMA: the
 portable path, its ``fma`` in software), and compares ``softmax_stats``, ``log_softmax_into`` and
-``token_logp`` of all three bit for bit on rows of every kind (lengths around the 16-lane blocks, top-k style
+``token_logp`` of all three bit for bit (and the sum's ``exp_neg`` on each row's differences from its
+finite max) on rows of every kind (lengths around the 16-lane blocks, top-k style
 rows of mostly -inf, a spread wider than the exp's edge cases, signed-zero maxima, NaN and inf entries, a
 151,936-entry vocabulary). About two minutes, most of it the two builds. Exit 1 on any difference.
 """
@@ -30,10 +31,12 @@ BINDINGS = r"""
 std::vector<torch::Tensor> softmax_stats(const torch::Tensor& x);
 void log_softmax_into(const torch::Tensor& x, torch::Tensor out);
 torch::Tensor token_logp(const torch::Tensor& x, const torch::Tensor& ids);
+torch::Tensor exp_neg_tensor(const torch::Tensor& x);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_stats", &softmax_stats);
   m.def("log_softmax_into", &log_softmax_into);
   m.def("token_logp", &token_logp);
+  m.def("exp_neg", &exp_neg_tensor);
 }
 """
 
@@ -43,8 +46,8 @@ def build(arch: str, folder: Path) -> object:
 
     csrc = Path(cpu_native.__file__).with_name("csrc")
     (folder / "bindings.cpp").write_text(BINDINGS)
-    for name in ("softmax.cpp", "exp_f32.h"):
-        (folder / name).write_bytes((csrc / name).read_bytes())
+    for source in (csrc / "softmax.cpp", *cpu_native.HEADERS):
+        (folder / source.name).write_bytes(source.read_bytes())
     flags = [f if not f.startswith("-march=") else f"-march={arch}" for f in cpu_native.CFLAGS]
     return load(
         name=f"rlfw_softmax_{arch.replace('-', '_')}",
@@ -76,7 +79,11 @@ def outputs(module: object, x: torch.Tensor) -> list[torch.Tensor]:
     out = torch.empty_like(x)
     module.log_softmax_into(x, out)  # type: ignore[attr-defined]
     ids = torch.arange(x.shape[0]) * 7 % x.shape[1]
-    return [m, lse, out, module.token_logp(x, ids)]  # type: ignore[attr-defined]
+    diffs = (x - x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax(-1, keepdim=True)).clamp(max=0.0)
+    return [m, lse, out, module.token_logp(x, ids), module.exp_neg(diffs)]  # type: ignore[attr-defined]
+
+
+NAMES = ("max", "lse", "log_softmax", "token_logp", "exp_neg")
 
 
 def main() -> int:
@@ -94,7 +101,7 @@ def main() -> int:
             want = outputs(native, x)
             for arch, module in builds.items():
                 got = outputs(module, x)
-                for name, a, b in zip(("max", "lse", "log_softmax", "token_logp"), got, want, strict=True):
+                for name, a, b in zip(NAMES, got, want, strict=True):
                     if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
                         differ += 1
                         print(f"V={v} {arch}: {name} differs from the native build")

@@ -28,7 +28,7 @@ SOURCES = [
         "softmax.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name("csrc") / "exp_f32.h"]
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("exp_f32.h", "exp_neg.h")]
 """Included by the sources: copied beside them and part of the build key, never compiled alone."""
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 """``-march=native`` only decides speed (AVX2/FMA or the portable path): both paths compute the same

@@ -47,7 +47,7 @@ def _log_softmax_record(triton_like: bool, off_cpu: bool) -> dict[str, Any]:
             "impl": "cpp_row_max_then_exp_sum",
             "math": "fp32",
             "shift": "row_max_canonical_zero",
-            "exp": "own_fp32_exp_table32_cubic_double",
+            "exp": "own_fp32_exp_neg_cody_waite_poly5_fp32",
             "sum": "fp64_16_lanes_halving_fold",
             "log": "own_fp64_atanh_series",
         }

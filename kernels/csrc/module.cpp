@@ -25,6 +25,7 @@ std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& grad, const to
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 std::vector<torch::Tensor> silu_mul(const torch::Tensor& g, const torch::Tensor& u, bool keep_denom);
 std::vector<torch::Tensor> softmax_stats(const torch::Tensor& x);
+torch::Tensor exp_neg_tensor(const torch::Tensor& x);
 void log_softmax_into(const torch::Tensor& x, torch::Tensor out);
 torch::Tensor token_logp(const torch::Tensor& x, const torch::Tensor& ids);
 torch::Tensor log_f64_tensor(const torch::Tensor& x);
@@ -68,6 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "(max, log of the sum of exp(x - max)) of each row: the log-softmax's statistics (one thread a row)");
   mod.def("log_softmax_into", &log_softmax_into, "each row's log-softmax (x - max) - lse, written into out");
   mod.def("token_logp", &token_logp, "each row's log-softmax at ids[r], the written row's arithmetic");
+  mod.def("exp_neg", &exp_neg_tensor, "the log-softmax sum's fp32 exp of x <= 0, elementwise (tests)");
   mod.def("log", &log_f64_tensor, "the log-softmax's log, in fp64, elementwise (tests)");
   mod.def("gumbel", &gumbel, "seeded Gumbel noise [N, vocab], row i from seeds[i] alone (SplitMix64)");
   mod.def("gumbel_argmax", &gumbel_argmax,

@@ -3,8 +3,8 @@
 // them, a third (when the log-softmax itself is asked for, not only m and lse) writes the row; each row is
 // one thread's, and a real vocabulary's row (600 KiB) stays in cache across the passes.
 //
-// m is the row's max with -0.0 turned into +0.0 (NaN if the row holds one). s is the sum of exp_f32(x_j - m)
-// (exp_f32.h, each difference rounded to fp32 first) in double: element j goes into lane j mod 16, each lane
+// m is the row's max with -0.0 turned into +0.0 (NaN if the row holds one). s is the sum of exp_neg(x_j - m)
+// (exp_neg.h: an fp32 exp for the never-positive differences, each rounded to fp32 first) in double: element j goes into lane j mod 16, each lane
 // adds in ascending j, and the lanes are folded by halving (lane l += lane l + h for h = 8, 4, 2, 1). lse is
 // log_f64(s) rounded to fp32 once. Every row is one thread's, in that order, on every build (AVX-512, AVX2/FMA
 // or portable: the same additions lane by lane; bench/softmax_builds.py compares the three), so the bits
@@ -25,10 +25,11 @@
 #include <vector>
 
 #include "exp_f32.h"
+#include "exp_neg.h"
 
 namespace {
 
-using rlfw_exp::exp_f32;
+using rlfw_exp_neg::exp_neg;
 
 constexpr int64_t kLanes = 16;      // lanes of the sum (the definition above)
 constexpr int64_t kGrain = 1 << 16;  // elements per parallel task
@@ -89,7 +90,7 @@ double row_exp_sum(const float* x, int64_t v, float m) {
   const __m512 mv = _mm512_set1_ps(m);
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
   for (; j + kLanes <= v; j += kLanes) {
-    const __m512 e = rlfw_exp::exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv));
+    const __m512 e = rlfw_exp_neg::exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv));
     lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
     hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
   }
@@ -100,14 +101,14 @@ double row_exp_sum(const float* x, int64_t v, float m) {
   __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
   for (; j + kLanes <= v; j += kLanes) {
     for (int64_t h = 0; h < 2; ++h) {
-      const __m256 e = rlfw_exp::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8 * h), mv));
+      const __m256 e = rlfw_exp_neg::exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8 * h), mv));
       acc[2 * h] = _mm256_add_pd(acc[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
       acc[2 * h + 1] = _mm256_add_pd(acc[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
     }
   }
   for (int64_t k = 0; k < 4; ++k) _mm256_store_pd(lane + 4 * k, acc[k]);
 #endif
-  for (; j < v; ++j) lane[j % kLanes] += static_cast<double>(exp_f32(x[j] - m));
+  for (; j < v; ++j) lane[j % kLanes] += static_cast<double>(exp_neg(x[j] - m));
   for (int64_t h = kLanes / 2; h > 0; h /= 2)
     for (int64_t l = 0; l < h; ++l) lane[l] += lane[l + h];
   return lane[0];
@@ -188,6 +189,25 @@ torch::Tensor token_logp(const torch::Tensor& x, const torch::Tensor& ids) {
   const float* lp = stats[1].data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r) op[r] = (xs[r * v + ip[r]] - mp[r]) - lp[r];
+  return out;
+}
+
+// exp_neg elementwise over a contiguous fp32 tensor (tests): sixteen or eight lanes at a time where the
+// build has them, then one at a time, as the sum takes them.
+torch::Tensor exp_neg_tensor(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "exp_neg: contiguous fp32 CPU input");
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t n = x.numel();
+  int64_t i = 0;
+#if RLFW_EXP16
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(op + i, rlfw_exp_neg::exp_neg16(_mm512_loadu_ps(xp + i)));
+#elif RLFW_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(op + i, rlfw_exp_neg::exp_neg8(_mm256_loadu_ps(xp + i)));
+#endif
+  for (; i < n; ++i) op[i] = exp_neg(xp[i]);
   return out;
 }
 

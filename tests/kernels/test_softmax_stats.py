@@ -1,10 +1,12 @@
 """The compiled log-softmax (``kernels/csrc/softmax.cpp``): the function its header states, bit for bit, on
 every kind of row the engines and the trainer feed it; the log-softmax and token log-probs built from it;
-its log; its accuracy at a real vocabulary; and bits that do not depend on the thread count."""
+its exp and its log, each against its own statement and the exact function; its accuracy at a real
+vocabulary; and bits that do not depend on the thread count."""
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -32,16 +34,75 @@ def _log_as_documented(x: float) -> float:
     return t * p + e * 0.69314718055994530942
 
 
+def _round32(exact: Fraction) -> float:
+    """``exact`` rounded once to fp32, to nearest, ties to the even neighbour (finite results only)."""
+    near = np.float32(float(exact))  # within an fp32 ulp of the answer (a double rounding at most)
+    cands = [near, np.nextafter(near, np.float32(-math.inf)), np.nextafter(near, np.float32(math.inf))]
+    return float(min(cands, key=lambda c: (abs(Fraction(float(c)) - exact), int(c.view(np.uint32)) & 1)))
+
+
+def _fma32(a: float, b: float, c: float) -> float:
+    """fp32 fma, exactly: the rational ``a * b + c`` rounded once to fp32."""
+    return _round32(Fraction(a) * Fraction(b) + Fraction(c))
+
+
+def _exp_neg_as_documented(d: float) -> float:
+    """``exp_neg.h``'s function, one fp32 operation at a time in the stated order, for a float32 ``d``."""
+    if math.isnan(d):
+        return d + d
+    if d < -87.0:
+        return 0.0
+    log2e, shift = float.fromhex("0x1.715476p+0"), float.fromhex("0x1.8p+23")
+    ln2_hi, ln2_lo = float.fromhex("0x1.63p-1"), float.fromhex("-0x1.bd0106p-13")
+    c = [float(np.float32(v)) for v in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3)]
+    c += [float(np.float32(v)) for v in (4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)]
+    kd = _fma32(d, log2e, shift)
+    n = _round32(Fraction(kd) - Fraction(shift))
+    r = _fma32(-n, ln2_hi, d)
+    r = _fma32(-n, ln2_lo, r)
+    q = _fma32(c[0], r, c[1])
+    for ck in c[2:]:
+        q = _fma32(q, r, ck)
+    y = _round32(Fraction(_fma32(q, _round32(Fraction(r) * Fraction(r)), r)) + 1)
+    return _round32(Fraction(y) * Fraction(2) ** int(n))
+
+
+def _exp_neg_probes() -> torch.Tensor:
+    """The differences a row's sum feeds the exp: random ones over its range, the edges around -87 and 0,
+    -inf and NaNs (one fp32 tensor whose length is not a multiple of 16, so the one-at-a-time tail runs)."""
+    g = torch.Generator().manual_seed(7)
+    edges = [0.0, -0.0, -1e-30, -1e-45, -0.34657359, -0.34657362, -87.0, -86.99999, -87.00001, -88.0]
+    edges += [-103.0, -1e30, -math.inf, math.nan, -math.nan]
+    spread = -(torch.randn(3000, generator=g) * 20).abs()
+    near_zero = -torch.rand(1000, generator=g) * 2
+    return torch.cat([torch.tensor(edges), spread, near_zero, torch.tensor([-86.5, -3.0, -0.5])])
+
+
+def test_exp_neg_is_the_documented_function() -> None:
+    x = _exp_neg_probes()
+    got = cpu_native.module().exp_neg(x)
+    want = torch.tensor([_exp_neg_as_documented(float(v)) for v in x], dtype=torch.float32)
+    assert_same_bits(got, want, "exp_neg as documented")
+
+
+def test_exp_neg_is_within_one_ulp_of_exp() -> None:
+    """On [-87, 0]: every float there is checked by ``bench/exp_exhaustive.py``; here a sample."""
+    x = _exp_neg_probes()
+    x = x[(x >= -87.0) & (x <= 0.0)]
+    got = cpu_native.module().exp_neg(x).view(torch.int32).long()
+    exact = torch.tensor([float(np.float32(math.exp(float(v)))) for v in x]).view(torch.int32).long()
+    assert int((got - exact).abs().max()) <= 1
+
+
 def _stats_as_documented(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(m, lse)`` of one fp32 row as the header states them, one lane at a time in numpy float64.
 
-    The exponentials come from the kernels' exp (``tests/kernels/test_attention.py`` checks it against
-    its own statement and against the C library's ``expf``)."""
+    The exponentials come from the kernel's ``exp_neg`` (checked against its statement above)."""
     if row.isnan().any():
         m = torch.tensor(math.nan)
     else:
         m = row.max() + 0.0
-    e = cpu_native.module().exp((row - m).contiguous()).double().numpy()
+    e = cpu_native.module().exp_neg((row - m).contiguous()).double().numpy()
     lanes = np.zeros(16)
     for j0 in range(0, e.shape[0], 16):
         chunk = e[j0 : j0 + 16]
