@@ -1,7 +1,7 @@
 // The log-softmax's exponential: exp_neg(d) for d = x_j - m, which is never positive (m is the row's max) or
 // NaN. Every operation is an fp32 operation rounded once (each fma fused):
 //
-//   n = (d * log2(e) + 1.5 * 2^23) - 1.5 * 2^23          the integer nearest to d log2(e), ties to even
+//   kd = fma(d, kLog2e, 1.5 * 2^23), n = kd - 1.5 * 2^23  the integer nearest to d kLog2e (log2(e) in fp32)
 //   r = fma(-n, kLn2Hi, d), then r = fma(-n, kLn2Lo, r)  d - n ln 2 (kLn2Hi + kLn2Lo = ln 2)
 //   q = ((((c0 r + c1) r + c2) r + c3) r + c4) r + c5      each step an fma
 //   exp_neg(d) = (fma(q, r * r, r) + 1) * 2^n           the last product exact (a normal float)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,29 +166,38 @@ class TrainerRankDied(RuntimeError):
         self.rank = rank
 
 
-LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
-"""What gloo raises in a rank whose collective partner's process is gone."""
+LOST_PEER = re.compile(r"gloo/transport/\w+/pair\.cc")
+"""Where gloo raises a lost connection to a collective partner (closed or reset by the peer, a broken pipe):
+its transport's pair, named in the message. Gloo's own timeouts come from elsewhere."""
 
 
 def gather_ranks(futures: list[Any], what: str) -> list[Any]:
     """Every rank's result, or :class:`TrainerRankDied` as soon as one rank's process is gone (the others
     are then blocked in a collective that will never complete, so nothing waits for them).
 
-    A survivor's collective can fail on the lost connection before Ray reports the dead process; that
-    error says a peer is gone, so the dead rank's own result, which Ray always resolves, is waited for
-    and named instead. Any other error is raised as it is."""
+    Of the results ready at once, a dead rank's is looked at first. A survivor's collective can fail on
+    the lost connection before Ray reports the dead process; that error (:data:`LOST_PEER`) says a peer is
+    gone, so the dead rank's own result, which Ray always resolves, is waited for and named instead. Any
+    other error is raised as it is."""
     pending = list(futures)
     lost_peer: RayTaskError | None = None
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
-        try:
-            ray.get(ready[0])
-        except RayActorError as err:
-            raise TrainerRankDied(futures.index(ready[0]), what) from err
-        except RayTaskError as err:
-            if not any(marker in str(err) for marker in LOST_PEER):
-                raise
-            lost_peer = lost_peer or err
+        if pending:  # and whatever else is ready already
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            ready += more
+        errors = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as err:
+                raise TrainerRankDied(futures.index(ref), what) from err
+            except RayTaskError as err:
+                errors.append(err)
+        for error in errors:
+            if not LOST_PEER.search(str(error)):
+                raise error
+            lost_peer = lost_peer or error
     if lost_peer is not None:  # a peer was lost, yet every rank answered: nothing to name
         raise lost_peer
     return list(ray.get(futures))

@@ -83,7 +83,7 @@ class Scoring:
             # request's logits took fresh pages (39 MB, 9,500 page faults a request) instead of the last
             # request's.
             targets = torch.tensor(self.tokens[start + 1 : stop + 1], device=hidden.device)
-            scored = torch.empty(stop - start)
+            scored = torch.empty(stop - start, dtype=torch.float32)
             logits = head(hidden[start - self.fed : stop - self.fed])
             for r in row_blocks(*logits.shape):  # a few rows of a real vocabulary at a time, in cache
                 scored[r] = ops.token_logp(process_logits(logits[r], transforms), targets[r])
