@@ -24,7 +24,7 @@
 #include <cstring>
 #include <vector>
 
-#include "exp_f32.h"
+#include "exp_f32.h"  // RLFW_AVX2 and RLFW_EXP16: which vector paths this build has
 #include "exp_neg.h"
 
 namespace {

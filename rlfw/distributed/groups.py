@@ -180,6 +180,7 @@ def gather_ranks(futures: list[Any], what: str) -> list[Any]:
     gone, so the dead rank's own result, which Ray always resolves, is waited for and named instead. Any
     other error is raised as it is."""
     pending = list(futures)
+    results: dict[int, Any] = {}  # rank -> its result, each fetched once
     lost_peer: RayTaskError | None = None
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
@@ -188,10 +189,11 @@ def gather_ranks(futures: list[Any], what: str) -> list[Any]:
             ready += more
         errors = []
         for ref in ready:
+            rank = futures.index(ref)
             try:
-                ray.get(ref)
+                results[rank] = ray.get(ref)
             except RayActorError as err:
-                raise TrainerRankDied(futures.index(ref), what) from err
+                raise TrainerRankDied(rank, what) from err
             except RayTaskError as err:
                 errors.append(err)
         for error in errors:
@@ -200,7 +202,7 @@ def gather_ranks(futures: list[Any], what: str) -> list[Any]:
             lost_peer = lost_peer or error
     if lost_peer is not None:  # a peer was lost, yet every rank answered: nothing to name
         raise lost_peer
-    return list(ray.get(futures))
+    return [results[rank] for rank in range(len(futures))]
 
 
 class TrainerGroup:

@@ -78,7 +78,7 @@ class Scoring:
         """Score this step's rows (``hidden [n, H]``, positions ``fed..fed+n``) that have a next token."""
         start, stop = max(self.first, self.fed), min(self.fed + hidden.shape[0], len(self.tokens) - 1)
         if start < stop:
-            # What outlives this call is allocated before the logits: a tensor made while they are live
+            # The call's other tensors are allocated before the logits: a tensor made while they are live
             # and kept afterwards would sit above them in the heap, so that at a real vocabulary every
             # request's logits took fresh pages (39 MB, 9,500 page faults a request) instead of the last
             # request's.
