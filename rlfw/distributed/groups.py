@@ -25,6 +25,10 @@ from rlfw.types import GenerationRequest, Sample, TrainBatch, TrainResult
 log = logging.getLogger(__name__)
 MAX_RETRIES = 3
 
+LOST_PEER = re.compile(r"gloo/transport/\w+/pair\.cc")
+"""Where gloo raises a lost connection to a collective partner (closed or reset by the peer, a broken pipe):
+its transport's pair, named in the message. Gloo's own timeouts come from elsewhere."""
+
 
 def split_request(request: GenerationRequest, parts: int) -> list[GenerationRequest]:
     """Round-robin prompts over ``parts`` actors. Draws are seeded per (prompt, sample), so a prompt's
@@ -144,6 +148,21 @@ class RolloutGroup:
         for i in range(len(self.actors)):
             self._call(i, "update_weights", update_ref)
 
+    def lost_receivers(self, receives: list[Any]) -> list[int]:
+        """The engines whose weight-broadcast receive (one call per actor, in order) failed because the
+        engine died or lost a partner in the group (:data:`LOST_PEER`); any other error is raised."""
+        lost = []
+        for i, ref in enumerate(receives):
+            try:
+                ray.get(ref)
+            except RayActorError:
+                lost.append(i)
+            except RayTaskError as err:
+                if not LOST_PEER.search(str(err)):
+                    raise
+                lost.append(i)
+        return lost
+
     def peak_rss_mb(self) -> float:
         """The largest peak resident memory among the engine actors, in MiB."""
         return max(ray.get([a.peak_rss_mb.remote() for a in self.actors]))
@@ -164,11 +183,6 @@ class TrainerRankDied(RuntimeError):
     def __init__(self, rank: int, what: str) -> None:
         super().__init__(f"trainer rank {rank} died during {what}")
         self.rank = rank
-
-
-LOST_PEER = re.compile(r"gloo/transport/\w+/pair\.cc")
-"""Where gloo raises a lost connection to a collective partner (closed or reset by the peer, a broken pipe):
-its transport's pair, named in the message. Gloo's own timeouts come from elsewhere."""
 
 
 def gather_ranks(futures: list[Any], what: str) -> list[Any]:
@@ -239,14 +253,14 @@ class TrainerGroup:
     def fingerprints(self, engine: str) -> dict[str, dict[str, Any]]:
         """Every rank's environment fingerprint (``"trainer rank 0"``, ...), read where it runs, with the
         libraries of the run's ``engine``."""
-        prints = self._gather([a.fingerprint.remote(engine) for a in self.actors], "start-up")
+        prints = self.gather([a.fingerprint.remote(engine) for a in self.actors], "start-up")
         return {f"trainer rank {r}": fp for r, fp in enumerate(prints)}
 
     def start(self, step: StepSpec) -> None:
         """Build every rank (they join one process group, so all at once) and wait for them."""
-        self._gather([a.start.remote(step) for a in self.actors], "start-up")
+        self.gather([a.start.remote(step) for a in self.actors], "start-up")
 
-    def _gather(self, futures: list[Any], what: str) -> list[Any]:
+    def gather(self, futures: list[Any], what: str) -> list[Any]:
         """:func:`gather_ranks`, remembering which rank died (:meth:`shutdown` then stops the rest)."""
         try:
             return gather_ranks(futures, what)
@@ -262,24 +276,24 @@ class TrainerGroup:
             a.train.remote(batch.rows(s), batch.num_tokens, len(batch))
             for a, s in zip(self.actors, shards, strict=True)
         ]
-        results: list[TrainResult] = self._gather(futures, "a training step")
+        results: list[TrainResult] = self.gather(futures, "a training step")
         return merge_results(results, [batch.rows(s).num_tokens for s in shards])
 
     def publish(self, version: int, contract_hash: str) -> Any:
         """Gather full weights (every rank takes part); rank 0 puts them in the object store itself, so
         they never pass through the driver. Returns the reference."""
-        refs = self._gather([a.publish.remote(version, contract_hash) for a in self.actors], "a publish")
+        refs = self.gather([a.publish.remote(version, contract_hash) for a in self.actors], "a publish")
         return refs[0][0]
 
     def save(self, folder: str, tag: str) -> None:
-        self._gather([a.save.remote(folder, tag) for a in self.actors], "a checkpoint save")
+        self.gather([a.save.remote(folder, tag) for a in self.actors], "a checkpoint save")
 
     def load(self, folder: str, tag: str) -> None:
-        self._gather([a.load.remote(folder, tag) for a in self.actors], "a checkpoint load")
+        self.gather([a.load.remote(folder, tag) for a in self.actors], "a checkpoint load")
 
     def peak_rss_mb(self) -> float:
         """The largest peak resident memory among the trainer ranks, in MiB."""
-        return max(self._gather([a.peak_rss_mb.remote() for a in self.actors], "a memory query"))
+        return max(self.gather([a.peak_rss_mb.remote() for a in self.actors], "a memory query"))
 
     def shutdown(self) -> None:
         """Leave the process group cleanly; after a rank died, the survivors are stuck in a collective
@@ -288,7 +302,7 @@ class TrainerGroup:
             for actor in self.actors:
                 ray.kill(actor, no_restart=True)
             return
-        self._gather([a.shutdown.remote() for a in self.actors], "shutdown")
+        self.gather([a.shutdown.remote() for a in self.actors], "shutdown")
 
     def kill(self, rank: int) -> None:
         """Kill one rank's process (fault drills and tests)."""

@@ -59,4 +59,13 @@ class WeightGroup:
         return out
 
     def _broadcast(self, t: Tensor) -> None:
-        self.group.broadcast(t, 0).wait()
+        if self.group is None:
+            raise RuntimeError("this member left the weight group after a failed broadcast; form it again")
+        try:
+            self.group.broadcast(t, 0).wait()
+        except RuntimeError:
+            # A member is gone. The broadcast runs down a tree, so members below the lost one would wait
+            # out the timeout (10 minutes) on a partner that is alive but failed too; dropping the group
+            # closes this member's connections, which fails theirs at once. The driver forms it again.
+            self.group = None
+            raise

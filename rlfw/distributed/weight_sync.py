@@ -14,12 +14,16 @@ Ordering contract (every transport):
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import ray
+from ray.exceptions import RayTaskError
 
-from rlfw.distributed.groups import RolloutGroup, TrainerGroup
+from rlfw.distributed.groups import LOST_PEER, RolloutGroup, TrainerGroup
 from rlfw.distributed.weight_group import TensorMeta
+
+log = logging.getLogger(__name__)
 
 
 class WeightSync(Protocol):
@@ -45,7 +49,12 @@ class CollectiveSync:
     """Across machines: trainer rank 0 broadcasts the weights over a process group of its own with every
     engine (gloo on CPU, NCCL on GPUs), tensor by tensor in sorted-name order. The group is formed at
     the first publish and formed again after an engine was replaced (a new actor is not a member). Rank 0
-    also keeps each version in its node's object store, for replacement engines and async resume."""
+    also keeps each version in its node's object store, for replacement engines and async resume.
+
+    An engine that dies during a broadcast fails it for rank 0 or for the engines below it in gloo's
+    tree; that version then goes through the object store (the dead engine is replaced), and the group is
+    formed again at the next publish. (Under NCCL a lost member shows as NCCL's own timeout instead, which
+    is raised.)"""
 
     name = "collective"
 
@@ -67,8 +76,28 @@ class CollectiveSync:
             self._form_group(trainer, rollout)
         sends = [a.send_weights.remote(version, contract_hash) for a in trainer.actors]  # steps 1-2
         receives = [a.receive_weights.remote(self.metas, version, contract_hash) for a in rollout.actors]
-        ref = ray.get(sends)[0][0]
-        ray.get(receives)  # steps 3-4
+        ref = None
+        try:  # a dead trainer rank is named (TrainerRankDied)
+            ref = trainer.gather(sends, "a weight sync")[0][0]
+        except RayTaskError as err:  # rank 0 lost a partner: an engine died during the broadcast
+            if not LOST_PEER.search(str(err)):
+                raise
+        lost = rollout.lost_receivers(receives)  # steps 3-4
+        if ref is None or lost:
+            # Every member that saw the loss has left the group (see WeightGroup), so no survivor waits
+            # for its timeout. This version goes through the object store instead: dead engines are
+            # replaced and loaded, the others load it unless they hold it already. The group is formed
+            # again at the next publish.
+            log.warning(
+                "the weight broadcast of version %d failed (engines that lost it: %s); delivering it "
+                "through the object store",
+                version,
+                ", ".join(map(str, lost)) or "none",
+            )
+            self.members = -1
+            if ref is None:
+                ref = trainer.publish(version, contract_hash)
+            rollout.load(ref)
         # A replacement engine is not in the group yet: it gets this version through the object store.
         rollout.latest = ref
         return ref

@@ -25,6 +25,7 @@ from tests.train._run import (
     comparable,
     env,
     kill_a_trainer_rank,
+    kill_an_engine,
     run_train,
     run_until,
     session_processes,
@@ -117,6 +118,27 @@ def test_a_dead_trainer_rank_stops_the_run_with_the_resume_command(root: Path) -
     assert [r["step"] for r in after] == list(range(6))
     for a, b in zip(whole.metrics(), after, strict=True):
         assert comparable(a) == comparable(b)
+
+
+@pytest.mark.slow
+def test_a_dead_engine_under_the_collective_transport_is_replaced_and_the_run_goes_on(root: Path) -> None:
+    """An engine killed mid-run (dying in a generation, or found dead by the next weight broadcast): it
+    is replaced at the last published version, and the run ends with the metrics of an uninterrupted one
+    (but for the restart count)."""
+    args = [*SMALL, "trainer.steps=4", "engine.num_actors=2", "sync.transport=collective"]
+    whole = run_train(root, "whole_collective", *args)
+    assert whole.returncode == 0, whole.log[-3000:]
+    lost = run_until(root, "engine_died", args, steps_logged_at_least(1), 0, act=kill_an_engine)
+    assert lost.returncode == 0, lost.log[-3000:]
+    after = lost.metrics()
+    assert [r["step"] for r in after] == list(range(4))
+    assert after[-1]["sync/engine_restarts"] == 1
+    for a, b in zip(whole.metrics(), after, strict=True):
+        assert without_restarts(a) == without_restarts(b)
+
+
+def without_restarts(row: dict[str, object]) -> dict[str, object]:
+    return {k: v for k, v in comparable(row).items() if k != "sync/engine_restarts"}
 
 
 @pytest.mark.slow

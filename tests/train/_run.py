@@ -59,13 +59,22 @@ def run_train(root: Path, name: str, *overrides: str, timeout: float = 600) -> R
 
 
 def trainer_ranks(driver_pid: int) -> list[int]:
-    """The pids of a run's trainer rank processes: Ray's workers of the run's own session (the driver
-    leads it) titled ``ray::TrainerWorker``."""
+    """The pids of a run's trainer rank processes."""
+    return _workers(driver_pid, "ray::TrainerWorker")
+
+
+def engine_actors(driver_pid: int) -> list[int]:
+    """The pids of a run's rollout actor processes."""
+    return _workers(driver_pid, "ray::RolloutWorker")
+
+
+def _workers(driver_pid: int, title: str) -> list[int]:
+    """Ray's workers of the run's own session (the driver leads it) whose title starts with ``title``."""
     out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True, check=True).stdout
     found = []
     for line in out.splitlines():
         pid, sid, args = line.split(maxsplit=2)
-        if int(sid) == driver_pid and args.startswith("ray::TrainerWorker"):
+        if int(sid) == driver_pid and args.startswith(title):
             found.append(int(pid))
     return found
 
@@ -83,6 +92,13 @@ def kill_a_trainer_rank(driver_pid: int) -> None:
     ranks = trainer_ranks(driver_pid)
     assert ranks, "the run has no trainer rank process to kill"
     os.kill(ranks[-1], signal.SIGKILL)
+
+
+def kill_an_engine(driver_pid: int) -> None:
+    """SIGKILL one rollout actor of the run (an engine lost to the OOM killer)."""
+    engines = engine_actors(driver_pid)
+    assert engines, "the run has no rollout actor process to kill"
+    os.kill(engines[0], signal.SIGKILL)
 
 
 def run_until(
