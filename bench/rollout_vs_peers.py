@@ -82,7 +82,7 @@ def write_checkpoint(size: str, folder: str, vocab: int = VOCAB) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     fields = {k: v for k, v in hf_config(size, vocab).items() if k != "model_type"}
-    cfg = Qwen3Config(torch_dtype="float32", **fields)
+    cfg = Qwen3Config(dtype="float32", **fields)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(folder, safe_serialization=True)

@@ -148,6 +148,11 @@ class RolloutGroup:
         for i in range(len(self.actors)):
             self._call(i, "update_weights", update_ref)
 
+    def replace_dead(self) -> None:
+        """Replace every engine whose process is gone (a round trip to each)."""
+        for i in range(len(self.actors)):
+            self._call(i, "version")
+
     def lost_receivers(self, receives: list[Any]) -> list[int]:
         """The engines whose weight-broadcast receive (one call per actor, in order) failed because the
         engine died or lost a partner in the group (:data:`LOST_PEER`); any other error is raised."""

@@ -63,6 +63,8 @@ class CollectiveSync:
         self.members = -1  # rollout.restarts when the group was formed; -1: not formed
 
     def _form_group(self, trainer: TrainerGroup, rollout: RolloutGroup) -> None:
+        # A dead member would leave rank 0 waiting for it to join until the group's timeout (10 minutes).
+        rollout.replace_dead()
         head = trainer.actors[0]
         host, port = ray.get(head.node_address.remote())
         world = 1 + len(rollout.actors)

@@ -115,6 +115,19 @@ def test_an_engine_dead_at_a_broadcast_is_replaced_and_gets_the_version(
 
 
 @pytest.mark.slow
+def test_an_engine_dead_when_the_group_is_formed_is_replaced_first(
+    groups: tuple[TrainerGroup, RolloutGroup],
+) -> None:
+    """Rank 0 would wait for the dead engine to join until the group's timeout (10 minutes)."""
+    trainer, rollout = groups
+    sync = CollectiveSync()
+    _kill_engine(rollout, 1)
+    sync.publish(trainer, rollout, 1, "")  # the first publish forms the group
+    assert sync.members == rollout.restarts == 1
+    assert [ray.get(a.version.remote()) for a in rollout.actors] == [1, 1]
+
+
+@pytest.mark.slow
 def test_a_trainer_rank_dead_at_a_broadcast_is_named(groups: tuple[TrainerGroup, RolloutGroup]) -> None:
     trainer, rollout = groups
     sync = CollectiveSync()
