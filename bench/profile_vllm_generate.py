@@ -2,9 +2,12 @@
 
 Run one side under a sampling profiler, then attribute its stacks:
 
-    OMP_NUM_THREADS=1 .venv/bin/py-spy record -r 50 -f raw -o four.txt -- \\
+    OMP_NUM_THREADS=1 .venv/bin/py-spy record -r 50 -f raw -o four.raw -- \\
         .venv/bin/python bench/profile_vllm_generate.py run four --reps 3
-    .venv/bin/python bench/profile_vllm_generate.py attribute four.txt --seconds 11.8
+    .venv/bin/python bench/profile_vllm_generate.py attribute four.raw --seconds 11.99
+
+``--seconds``: the median of the generate times ``run`` printed; each row's share is of the samples py-spy
+took inside the timed generates (py-spy leaves out idle samples by default, so shares are of busy time).
 
 Sides: ``four`` (rlfw's vLLM engine, all four streams), ``noprefill`` (``engine.prefill_fraction=0``),
 ``bare`` (stock vLLM, the rollout bench's vllm-bare call). The requests are the rollout bench's (13M model,
@@ -31,7 +34,7 @@ ROWS: list[tuple[str, list[str]]] = [
     ("rescoring: the LM head (Scoring.take)", ["Scoring.take"]),
     ("decode tap: the step's log-softmax", ["DecodeTap.apply"]),
     ("decode LM head (compute_logits)", ["compute_logits"]),
-    ("vLLM's sampler: fused_gumbel_argmax", ["forward_cpu"]),
+    ("vLLM's sampler: fused_gumbel_argmax", ["TopKTopPSampler.forward_cpu"]),
     ("vLLM's sampler: the rest", ["Sampler.forward"]),
     ("model body", ["forward ("]),
 ]

@@ -153,20 +153,19 @@ class RolloutGroup:
         for i in range(len(self.actors)):
             self._call(i, "version")
 
-    def lost_receivers(self, receives: list[Any]) -> list[int]:
-        """The engines whose weight-broadcast receive (one call per actor, in order) failed because the
-        engine died or lost a partner in the group (:data:`LOST_PEER`); any other error is raised."""
-        lost = []
+    def broadcast_failures(self, receives: list[Any]) -> dict[int, str]:
+        """Why each engine that missed a weight broadcast missed it (``receives``: one receive call per
+        actor, in order): ``"died"``, or its broadcast's error. Any other error is raised."""
+        failures = {}
         for i, ref in enumerate(receives):
             try:
-                ray.get(ref)
+                failed = ray.get(ref)
             except RayActorError:
-                lost.append(i)
-            except RayTaskError as err:
-                if not LOST_PEER.search(str(err)):
-                    raise
-                lost.append(i)
-        return lost
+                failures[i] = "died"
+                continue
+            if failed is not None:
+                failures[i] = failed
+        return failures
 
     def peak_rss_mb(self) -> float:
         """The largest peak resident memory among the engine actors, in MiB."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from datetime import timedelta
 from typing import Any
 
 import ray
@@ -37,7 +38,7 @@ from rlfw.config import EngineConfig
 from rlfw.distributed.cluster import keep_freed_memory, peak_rss_mb, use_cpu_threads
 from rlfw.distributed.cores import Seat, join, working
 from rlfw.distributed.specs import ModelSpec
-from rlfw.distributed.weight_group import TensorMeta, WeightGroup
+from rlfw.distributed.weight_group import BroadcastFailed, TensorMeta, WeightGroup
 from rlfw.fingerprint import environment_fingerprint
 from rlfw.rollout.engine import Engine
 from rlfw.rollout.native import NativeEngine
@@ -175,15 +176,18 @@ class RolloutWorker:
             self.engine.update_weights(update)
             return self.engine.version
 
-    def join_weight_group(self, host: str, port: int, rank: int, world: int) -> None:
-        self.weights = WeightGroup(host, port, rank, world)
+    def join_weight_group(self, host: str, port: int, rank: int, world: int, timeout: timedelta) -> None:
+        self.weights = WeightGroup(host, port, rank, world, timeout)
 
-    def receive_weights(self, metas: list[TensorMeta], version: int, contract_hash: str) -> int:
-        """Receive a broadcast version and load it like any update (the contract hash is checked)."""
-        state = self.weights.receive(metas)
-        return self.update_weights(
-            WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state)
-        )
+    def receive_weights(self, metas: list[TensorMeta], version: int, contract_hash: str) -> str | None:
+        """Receive a broadcast version and load it like any update (the contract hash is checked). Returns
+        None, or why the broadcast failed here (the driver then delivers the version another way)."""
+        try:
+            state = self.weights.receive(metas)
+        except BroadcastFailed as err:
+            return str(err)
+        self.update_weights(WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state))
+        return None
 
     def version(self) -> int:
         return int(self.engine.version)

@@ -6,6 +6,7 @@ its environment fingerprint; :meth:`TrainerWorker.start` builds the model and De
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 import ray
@@ -14,7 +15,7 @@ import torch
 from rlfw.distributed.cluster import keep_freed_memory, peak_rss_mb, use_cpu_threads
 from rlfw.distributed.cores import Seat, join, working
 from rlfw.distributed.specs import ModelSpec
-from rlfw.distributed.weight_group import TensorMeta, WeightGroup, describe
+from rlfw.distributed.weight_group import BroadcastFailed, TensorMeta, WeightGroup, describe
 from rlfw.fingerprint import environment_fingerprint
 from rlfw.kernels import threads
 from rlfw.logging.metrics import CORES_TRAINER_WIDENED_FRAC
@@ -102,21 +103,26 @@ class TrainerWorker:
             port = int(sock.getsockname()[1])
         return ray.util.get_node_ip_address(), port
 
-    def join_weight_group(self, host: str, port: int, world: int) -> list[TensorMeta]:
+    def join_weight_group(self, host: str, port: int, world: int, timeout: timedelta) -> list[TensorMeta]:
         """Rank 0 joins the broadcast group as its rank 0; returns what it will send, in order."""
-        self.weights = WeightGroup(host, port, 0, world)
+        self.weights = WeightGroup(host, port, 0, world, timeout)
         return describe(dict(self.model.named_parameters()))
 
     def send_weights(self, version: int, contract_hash: str) -> list[Any]:
-        """Every rank gathers (a collective under ZeRO-3); rank 0 broadcasts to the engines and also keeps
-        the version in its node's object store (returns ``[ref]``): a replacement engine, or a resumed
-        async run, needs exactly this version later, when the trainer has moved on. It stays on the
-        trainer's node unless one of them fetches it."""
+        """Every rank gathers (a collective under ZeRO-3); rank 0 keeps the version in its node's object
+        store, broadcasts it to the engines, and returns ``[ref, failed]``: ``failed`` is None, or why its
+        broadcast failed (the driver then delivers ``ref`` through the object store). A replacement engine,
+        or a resumed async run, needs exactly this version later, when the trainer has moved on. It stays on
+        the trainer's node unless one of them fetches it."""
         state = self.backend.full_state_dict()
         if self.rank != 0:
             return []
-        self.weights.send(state)
-        return [ray.put(WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state))]
+        ref = ray.put(WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state))
+        try:
+            self.weights.send(state)
+        except BroadcastFailed as err:
+            return [ref, str(err)]
+        return [ref, None]
 
     def save(self, folder: str, tag: str) -> None:
         self.backend.save(folder, tag)

@@ -30,18 +30,22 @@ def describe(state: dict[str, Tensor]) -> list[TensorMeta]:
     return [TensorMeta(k, tuple(state[k].shape), str(state[k].dtype)) for k in sorted(state)]
 
 
+class BroadcastFailed(RuntimeError):
+    """A weight broadcast failed on this member, which has left the group (gloo)."""
+
+
 class WeightGroup:
     """Membership in the weight-broadcast group; ``send`` on rank 0, ``receive`` on the others."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int) -> None:
-        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=TIMEOUT)
+    def __init__(self, host: str, port: int, rank: int, world: int, timeout: timedelta = TIMEOUT) -> None:
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         # Typed loosely: torch's stubs do not declare the backends' broadcast(tensor, root).
         self.group: Any
         if self.device == "cuda":  # not exercised on the CPU test machines
             self.group = dist.ProcessGroupNCCL(store, rank, world, dist.ProcessGroupNCCL.Options())
         else:
-            self.group = dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
+            self.group = dist.ProcessGroupGloo(store, rank, world, timeout)
         self.rank = rank
 
     def send(self, state: dict[str, Tensor]) -> None:
@@ -60,12 +64,18 @@ class WeightGroup:
 
     def _broadcast(self, t: Tensor) -> None:
         if self.group is None:
-            raise RuntimeError("this member left the weight group after a failed broadcast; form it again")
+            raise RuntimeError(
+                "internal: this member left the weight group after a failed broadcast, and the group was "
+                "not formed again before the next one (CollectiveSync forms it at the next publish)"
+            )
+        if self.device == "cuda":  # NCCL reports a lost member through its watchdog; nothing is caught here
+            self.group.broadcast(t, 0).wait()
+            return
         try:
             self.group.broadcast(t, 0).wait()
-        except RuntimeError:
-            # A member is gone. The broadcast runs down a tree, so members below the lost one would wait
-            # out the timeout (10 minutes) on a partner that is alive but failed too; dropping the group
-            # closes this member's connections, which fails theirs at once. The driver forms it again.
+        except RuntimeError as err:
+            # A member died, or the group timed out. The broadcast runs down a tree, so the members around
+            # this one may wait on it for the rest of the timeout (10 minutes by default): leaving the group
+            # closes this member's connections, which fails their waits at once.
             self.group = None
-            raise
+            raise BroadcastFailed(str(err)) from err

@@ -15,13 +15,14 @@ Ordering contract (every transport):
 from __future__ import annotations
 
 import logging
+import re
+from datetime import timedelta
 from typing import Any, Protocol
 
 import ray
-from ray.exceptions import RayTaskError
 
-from rlfw.distributed.groups import LOST_PEER, RolloutGroup, TrainerGroup
-from rlfw.distributed.weight_group import TensorMeta
+from rlfw.distributed.groups import RolloutGroup, TrainerGroup
+from rlfw.distributed.weight_group import TIMEOUT, TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -51,25 +52,30 @@ class CollectiveSync:
     the first publish and formed again after an engine was replaced (a new actor is not a member). Rank 0
     also keeps each version in its node's object store, for replacement engines and async resume.
 
-    An engine that dies during a broadcast fails it for rank 0 or for the engines below it in gloo's
-    tree; that version then goes through the object store (the dead engine is replaced), and the group is
-    formed again at the next publish. (Under NCCL a lost member shows as NCCL's own timeout instead, which
-    is raised.)"""
+    Under gloo, a broadcast that fails on one member (an engine died, or a wait timed out) fails at once
+    for the others, since each member that sees it fail leaves the group; that version then goes through
+    the object store (a dead engine is replaced), and the group is formed again at the next publish. Under
+    NCCL a lost member surfaces through NCCL's watchdog instead; that case is not handled here."""
 
     name = "collective"
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: timedelta = TIMEOUT) -> None:
+        """``timeout``: how long a member waits to join the group, or on one broadcast step."""
         self.metas: list[TensorMeta] = []
         self.members = -1  # rollout.restarts when the group was formed; -1: not formed
+        self.timeout = timeout
 
     def _form_group(self, trainer: TrainerGroup, rollout: RolloutGroup) -> None:
-        # A dead member would leave rank 0 waiting for it to join until the group's timeout (10 minutes).
+        # A dead member would leave rank 0 waiting for it to join until the timeout.
         rollout.replace_dead()
         head = trainer.actors[0]
         host, port = ray.get(head.node_address.remote())
         world = 1 + len(rollout.actors)
-        joins = [a.join_weight_group.remote(host, port, 1 + i, world) for i, a in enumerate(rollout.actors)]
-        self.metas = ray.get(head.join_weight_group.remote(host, port, world))
+        joins = [
+            a.join_weight_group.remote(host, port, i, world, self.timeout)
+            for i, a in enumerate(rollout.actors, start=1)
+        ]
+        self.metas = ray.get(head.join_weight_group.remote(host, port, world, self.timeout))
         ray.get(joins)
         self.members = rollout.restarts
 
@@ -78,31 +84,26 @@ class CollectiveSync:
             self._form_group(trainer, rollout)
         sends = [a.send_weights.remote(version, contract_hash) for a in trainer.actors]  # steps 1-2
         receives = [a.receive_weights.remote(self.metas, version, contract_hash) for a in rollout.actors]
-        ref = None
-        try:  # a dead trainer rank is named (TrainerRankDied)
-            ref = trainer.gather(sends, "a weight sync")[0][0]
-        except RayTaskError as err:  # rank 0 lost a partner: an engine died during the broadcast
-            if not LOST_PEER.search(str(err)):
-                raise
-        lost = rollout.lost_receivers(receives)  # steps 3-4
-        if ref is None or lost:
-            # Every member that saw the loss has left the group (see WeightGroup), so no survivor waits
-            # for its timeout. This version goes through the object store instead: dead engines are
-            # replaced and loaded, the others load it unless they hold it already. The group is formed
-            # again at the next publish.
+        ref, failed = trainer.gather(sends, "a weight sync")[0]  # a dead trainer rank is named
+        missed = rollout.broadcast_failures(receives)  # steps 3-4
+        if failed is not None or missed:
+            why = [f"engine {i}: {_first_sentence(reason)}" for i, reason in missed.items()]
+            why += [] if failed is None else [f"trainer rank 0: {_first_sentence(failed)}"]
             log.warning(
-                "the weight broadcast of version %d failed (engines that lost it: %s); delivering it "
-                "through the object store",
+                "the weight broadcast of version %d failed (%s); delivering it through the object store",
                 version,
-                ", ".join(map(str, lost)) or "none",
+                "; ".join(why),
             )
-            self.members = -1
-            if ref is None:
-                ref = trainer.publish(version, contract_hash)
-            rollout.load(ref)
+            self.members = -1  # formed again at the next publish
+            rollout.load(ref)  # replaces dead engines; an engine that holds the version already keeps it
         # A replacement engine is not in the group yet: it gets this version through the object store.
         rollout.latest = ref
         return ref
+
+
+def _first_sentence(error: str) -> str:
+    """A gloo error without its source location and advice: "Connection closed by peer [host]:port"."""
+    return re.sub(r"^\[[^\]]*\]\s*", "", error).split(". ")[0]
 
 
 TRANSPORTS: dict[str, type] = {"object_store": ObjectStoreSync, "collective": CollectiveSync}

@@ -1,11 +1,15 @@
 """``sync.transport=collective`` when a process dies: real Ray actors, a real DeepSpeed trainer rank and a
 real gloo weight group.
 
-An engine that died since the last publish fails the next broadcast. Gloo sends down a tree, so an engine
-whose partner failed waited out the group's timeout (10 minutes) before its members left the group on a
-failure; then the run stopped on a traceback about a closed connection. Now the version goes through the
-object store, the dead engine is replaced, and the group is formed again at the next publish. A trainer
-rank that dies is named, as it is in every other trainer call.
+Gloo broadcasts down a tree (rank 0 the trainer, ranks 1.. the engines), and a member waits on its
+partners for the group's timeout (10 minutes by default). An engine that died since the last publish used
+to stop the run with a traceback about a closed connection, and members around it waited out the timeout.
+Now every member whose broadcast fails leaves the group, which fails its partners' waits at once; the
+version goes through the object store, the dead engine is replaced, and the group is formed again at the
+next publish. A trainer rank that dies is named, as it is in every other trainer call.
+
+The tests form the group with a 30-second timeout: a member that waited it out would say "Timed out" in
+the warning that names why each member missed the broadcast.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -36,25 +41,33 @@ from rlfw.types import GenerationRequest, Sample
 ENGINES = ModelSpec(path=None, preset="tiny_dense", dtype="float32", kernels="invariant", seed=0)
 TRAINER_SPEC = ModelSpec(path=None, preset="tiny_dense", dtype="float32", kernels="invariant", seed=1)
 OPTIM = OptimConfig(1e-3, 0.0, 1.0, 0, "constant", 10, 0, "fp32")
+TIMEOUT = timedelta(seconds=30)
 
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    init_ray(num_rollout=2, num_trainer=1)
+    init_ray(num_rollout=3, num_trainer=1)
     yield
     ray.shutdown()
 
 
 @pytest.fixture
-def groups(local_ray: None) -> Iterator[tuple[TrainerGroup, RolloutGroup]]:
-    """One trainer rank whose weights (seed 1) differ from the two engines' (seed 0)."""
-    pools = [make_pool(ROLLOUT, 2), make_pool(TRAINER, 1)]
-    rollout = RolloutGroup(pools[0], ENGINES, EngineConfig(max_slots=8, max_model_len=64), stop_ids=[])
-    trainer = TrainerGroup(pools[1], TRAINER_SPEC, OPTIM)
-    engines = rollout.start(contract_hash="")
-    trainer.start(StepSpec(Transforms(), CorrectionConfig(name="tis"), 4, "score", False))
-    ray.get(engines)
-    yield trainer, rollout
+def make_groups(local_ray: None) -> Iterator[Callable[[int], tuple[TrainerGroup, RolloutGroup]]]:
+    """One trainer rank whose weights (seed 1) differ from the engines' (seed 0); the pools (and their
+    actors) are removed after the test."""
+    pools = []
+
+    def make(engines: int) -> tuple[TrainerGroup, RolloutGroup]:
+        pools.extend([make_pool(ROLLOUT, engines), make_pool(TRAINER, 1)])
+        cfg = EngineConfig(max_slots=8, max_model_len=64)
+        rollout = RolloutGroup(pools[-2], ENGINES, cfg, stop_ids=[])
+        trainer = TrainerGroup(pools[-1], TRAINER_SPEC, OPTIM)
+        started = rollout.start(contract_hash="")
+        trainer.start(StepSpec(Transforms(), CorrectionConfig(name="tis"), 4, "score", False))
+        ray.get(started)
+        return trainer, rollout
+
+    yield make
     for pool in pools:
         remove_placement_group(pool.group)
 
@@ -89,48 +102,84 @@ def _running(pid: int) -> bool:
     return state != "Z"  # a zombie has exited: its sockets are closed
 
 
+def _versions(rollout: RolloutGroup) -> list[int]:
+    return [ray.get(a.version.remote()) for a in rollout.actors]
+
+
+def _reasons(log: str) -> str:
+    """What the warning says of each member that missed the broadcast."""
+    (line,) = [line for line in log.splitlines() if "the weight broadcast of version" in line]
+    return line
+
+
 @pytest.mark.slow
 def test_an_engine_dead_at_a_broadcast_is_replaced_and_gets_the_version(
-    groups: tuple[TrainerGroup, RolloutGroup], caplog: pytest.LogCaptureFixture
+    make_groups: Callable[[int], tuple[TrainerGroup, RolloutGroup]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    trainer, rollout = groups
-    sync = CollectiveSync()
+    """Engine 0 is rank 0's first partner: rank 0's send fails, and engine 1, waiting on rank 0, fails
+    once rank 0 has left the group."""
+    trainer, rollout = make_groups(2)
+    sync = CollectiveSync(TIMEOUT)
     untrained = rollout.generate(_request())
     sync.publish(trainer, rollout, 1, "")
     published = rollout.generate(_request())
     assert not _same(published, untrained)  # the broadcast did change the engines' weights
 
-    _kill_engine(rollout, 0)  # engine 0 is the root's first partner: the root's send fails
+    _kill_engine(rollout, 0)
     with caplog.at_level(logging.WARNING, logger="rlfw.distributed.weight_sync"):
         sync.publish(trainer, rollout, 2, "")
-    assert "broadcast of version 2 failed (engines that lost it: 0" in caplog.text
+    reasons = _reasons(caplog.text)
+    assert "engine 0: died" in reasons and "Timed out" not in reasons, reasons
     assert rollout.restarts == 1
-    assert [ray.get(a.version.remote()) for a in rollout.actors] == [2, 2]
+    assert _versions(rollout) == [2, 2]
     assert _same(rollout.generate(_request()), published)  # the trainer's weights, on both engines
 
     sync.publish(trainer, rollout, 3, "")  # the group is formed again, the replacement in it
     assert sync.members == rollout.restarts == 1
-    assert [ray.get(a.version.remote()) for a in rollout.actors] == [3, 3]
+    assert _versions(rollout) == [3, 3]
     assert _same(rollout.generate(_request()), published)
 
 
 @pytest.mark.slow
-def test_an_engine_dead_when_the_group_is_formed_is_replaced_first(
-    groups: tuple[TrainerGroup, RolloutGroup],
+def test_an_engine_that_loses_its_partner_leaves_the_group_at_once(
+    make_groups: Callable[[int], tuple[TrainerGroup, RolloutGroup]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Rank 0 would wait for the dead engine to join until the group's timeout (10 minutes)."""
-    trainer, rollout = groups
-    sync = CollectiveSync()
-    _kill_engine(rollout, 1)
-    sync.publish(trainer, rollout, 1, "")  # the first publish forms the group
+    """Three engines: engine 0 (rank 1) forwards rank 0's broadcast to engine 2 (rank 3). With engine 2
+    dead, engine 0's forward fails; unless engine 0 then leaves the group, rank 0's next send to it waits
+    out the timeout, and so does engine 1."""
+    trainer, rollout = make_groups(3)
+    sync = CollectiveSync(TIMEOUT)
+    sync.publish(trainer, rollout, 1, "")
+    _kill_engine(rollout, 2)
+    with caplog.at_level(logging.WARNING, logger="rlfw.distributed.weight_sync"):
+        sync.publish(trainer, rollout, 2, "")
+    reasons = _reasons(caplog.text)
+    assert "engine 2: died" in reasons and "Timed out" not in reasons, reasons
+    assert _versions(rollout) == [2, 2, 2]
+    sync.publish(trainer, rollout, 3, "")
     assert sync.members == rollout.restarts == 1
-    assert [ray.get(a.version.remote()) for a in rollout.actors] == [1, 1]
+    assert _versions(rollout) == [3, 3, 3]
 
 
 @pytest.mark.slow
-def test_a_trainer_rank_dead_at_a_broadcast_is_named(groups: tuple[TrainerGroup, RolloutGroup]) -> None:
-    trainer, rollout = groups
-    sync = CollectiveSync()
+def test_an_engine_dead_when_the_group_is_formed_is_replaced_first(
+    make_groups: Callable[[int], tuple[TrainerGroup, RolloutGroup]],
+) -> None:
+    """Rank 0 would wait for the dead engine to join until the timeout, and the publish would fail."""
+    trainer, rollout = make_groups(2)
+    sync = CollectiveSync(TIMEOUT)
+    _kill_engine(rollout, 1)
+    sync.publish(trainer, rollout, 1, "")  # the first publish forms the group
+    assert sync.members == rollout.restarts == 1
+    assert _versions(rollout) == [1, 1]
+
+
+@pytest.mark.slow
+def test_a_trainer_rank_dead_at_a_broadcast_is_named(
+    make_groups: Callable[[int], tuple[TrainerGroup, RolloutGroup]],
+) -> None:
+    trainer, rollout = make_groups(2)
+    sync = CollectiveSync(TIMEOUT)
     sync.publish(trainer, rollout, 1, "")
     trainer.kill(0)
     with pytest.raises(TrainerRankDied, match=r"^trainer rank 0 died during a weight sync$"):
