@@ -109,20 +109,20 @@ class TrainerWorker:
         return describe(dict(self.model.named_parameters()))
 
     def send_weights(self, version: int, contract_hash: str) -> list[Any]:
-        """Every rank gathers (a collective under ZeRO-3); rank 0 keeps the version in its node's object
-        store, broadcasts it to the engines, and returns ``[ref, failed]``: ``failed`` is None, or why its
-        broadcast failed (the driver then delivers ``ref`` through the object store). A replacement engine,
-        or a resumed async run, needs exactly this version later, when the trainer has moved on. It stays on
-        the trainer's node unless one of them fetches it."""
+        """Every rank gathers (a collective under ZeRO-3); rank 0 broadcasts to the engines, then keeps the
+        version in its node's object store, and returns ``[ref, failed]``: ``failed`` is None, or why its
+        broadcast failed (the driver may then deliver ``ref`` through the object store). A replacement
+        engine, or a resumed async run, needs exactly this version later, when the trainer has moved on. It
+        stays on the trainer's node unless one of them fetches it."""
         state = self.backend.full_state_dict()
         if self.rank != 0:
             return []
-        ref = ray.put(WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state))
+        failed = None
         try:
             self.weights.send(state)
         except BroadcastFailed as err:
-            return [ref, str(err)]
-        return [ref, None]
+            failed = str(err)
+        return [ray.put(WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state)), failed]
 
     def save(self, folder: str, tag: str) -> None:
         self.backend.save(folder, tag)

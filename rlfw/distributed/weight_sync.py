@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import ray
 
-from rlfw.distributed.groups import RolloutGroup, TrainerGroup
+from rlfw.distributed.groups import LOST_PEER, RolloutGroup, TrainerGroup
 from rlfw.distributed.weight_group import TIMEOUT, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -52,15 +52,17 @@ class CollectiveSync:
     the first publish and formed again after an engine was replaced (a new actor is not a member). Rank 0
     also keeps each version in its node's object store, for replacement engines and async resume.
 
-    Under gloo, a broadcast that fails on one member (an engine died, or a wait timed out) fails at once
-    for the others, since each member that sees it fail leaves the group; that version then goes through
-    the object store (a dead engine is replaced), and the group is formed again at the next publish. Under
-    NCCL a lost member surfaces through NCCL's watchdog instead; that case is not handled here."""
+    Under gloo, a member whose broadcast fails leaves the group, which fails its partners' waits at once.
+    If every member that missed the version died or lost a partner, the version goes through the object
+    store instead (a dead engine is replaced) and the group is formed again at the next publish. A member
+    that waited out the timeout (a stuck engine, a network too slow) raises :class:`BroadcastStuck`: the
+    object store would wait on the same engine with no timeout at all. Under NCCL a lost member surfaces
+    through NCCL's watchdog instead; that case is not handled here."""
 
     name = "collective"
 
     def __init__(self, timeout: timedelta = TIMEOUT) -> None:
-        """``timeout``: how long a member waits to join the group, or on one broadcast step."""
+        """``timeout``: how long a member waits to join the group, or (gloo) on one broadcast step."""
         self.metas: list[TensorMeta] = []
         self.members = -1  # rollout.restarts when the group was formed; -1: not formed
         self.timeout = timeout
@@ -85,25 +87,49 @@ class CollectiveSync:
         sends = [a.send_weights.remote(version, contract_hash) for a in trainer.actors]  # steps 1-2
         receives = [a.receive_weights.remote(self.metas, version, contract_hash) for a in rollout.actors]
         ref, failed = trainer.gather(sends, "a weight sync")[0]  # a dead trainer rank is named
-        missed = rollout.broadcast_failures(receives)  # steps 3-4
-        if failed is not None or missed:
-            why = [f"engine {i}: {_first_sentence(reason)}" for i, reason in missed.items()]
-            why += [] if failed is None else [f"trainer rank 0: {_first_sentence(failed)}"]
+        why = {} if failed is None else {"trainer rank 0": failed}
+        if why:
+            self.members = -1  # every member that saw the failure has left: form the group again
+        if failed is not None and not LOST_PEER.search(failed):  # before waiting on the engines
+            raise BroadcastStuck(version, why)
+        why |= {f"engine {i}": reason for i, reason in rollout.broadcast_failures(receives).items()}
+        if why:  # steps 3-4 missed by some engines
+            self.members = -1
+            if any(reason != "died" and not LOST_PEER.search(reason) for reason in why.values()):
+                raise BroadcastStuck(version, why)
             log.warning(
                 "the weight broadcast of version %d failed (%s); delivering it through the object store",
                 version,
-                "; ".join(why),
+                _reasons(why),
             )
-            self.members = -1  # formed again at the next publish
             rollout.load(ref)  # replaces dead engines; an engine that holds the version already keeps it
         # A replacement engine is not in the group yet: it gets this version through the object store.
         rollout.latest = ref
         return ref
 
 
+class BroadcastStuck(RuntimeError):
+    """A member of the weight broadcast failed without a dead or lost partner: it waited out the group's
+    timeout, most likely. The message says who and why."""
+
+    def __init__(self, version: int, why: dict[str, str]) -> None:
+        super().__init__(
+            f"the weight broadcast of version {version} did not complete ({_reasons(why)}); a member that "
+            "timed out is stuck, or the network is slower than the group's timeout"
+        )
+
+
+def _reasons(why: dict[str, str]) -> str:
+    """``member: reason; ...``, each gloo error without its source location and advice."""
+    return "; ".join(f"{member}: {_first_sentence(reason)}" for member, reason in why.items())
+
+
 def _first_sentence(error: str) -> str:
-    """A gloo error without its source location and advice: "Connection closed by peer [host]:port"."""
-    return re.sub(r"^\[[^\]]*\]\s*", "", error).split(". ")[0]
+    """ "Connection closed by peer [host]:port" of gloo's "[.../pair.cc:553] Connection closed by peer
+    [host]:port. This is typically caused by ...", and the first line of a multi-line error."""
+    lines = error.strip().splitlines()
+    first = re.sub(r"^\[[^\]]*\]\s*", "", lines[0] if lines else "").split(". ")[0]
+    return first or error
 
 
 TRANSPORTS: dict[str, type] = {"object_store": ObjectStoreSync, "collective": CollectiveSync}

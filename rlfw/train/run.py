@@ -22,7 +22,7 @@ from rlfw.config import RunConfig
 from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool
 from rlfw.distributed.cores import LEDGER_FILE, create_ledger
 from rlfw.distributed.groups import RolloutGroup, TrainerGroup, TrainerRankDied
-from rlfw.distributed.weight_sync import make_sync
+from rlfw.distributed.weight_sync import BroadcastStuck, make_sync
 from rlfw.logging.logger import RunLogger
 from rlfw.train.async_loop import async_steps
 from rlfw.train.checkpoint import CheckpointFailed, EngineWeights, checkpoint_folder, restore
@@ -132,7 +132,7 @@ def train(run: RunConfig) -> int:
             resume_command(run_dir),
         )
         code = 1
-    except TrainerRankDied as err:
+    except (TrainerRankDied, BroadcastStuck) as err:
         log.error(
             "rlfw train: %s; continue the run from %s with: %s",
             err,

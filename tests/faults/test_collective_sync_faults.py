@@ -9,7 +9,8 @@ version goes through the object store, the dead engine is replaced, and the grou
 next publish. A trainer rank that dies is named, as it is in every other trainer call.
 
 The tests form the group with a 30-second timeout: a member that waited it out would say "Timed out" in
-the warning that names why each member missed the broadcast.
+the warning that names why each member missed the broadcast. A member that does time out (a stuck
+engine) stops the publish instead: the object store would wait on the same engine with no timeout.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from rlfw.config import EngineConfig
 from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool
 from rlfw.distributed.groups import RolloutGroup, TrainerGroup, TrainerRankDied
 from rlfw.distributed.specs import ModelSpec
-from rlfw.distributed.weight_sync import CollectiveSync
+from rlfw.distributed.weight_sync import BroadcastStuck, CollectiveSync, _first_sentence
 from rlfw.model.distribution import Transforms
 from rlfw.trainer.deepspeed_backend import OptimConfig
 from rlfw.trainer.step import StepSpec
@@ -129,7 +130,8 @@ def test_an_engine_dead_at_a_broadcast_is_replaced_and_gets_the_version(
     with caplog.at_level(logging.WARNING, logger="rlfw.distributed.weight_sync"):
         sync.publish(trainer, rollout, 2, "")
     reasons = _reasons(caplog.text)
-    assert "engine 0: died" in reasons and "Timed out" not in reasons, reasons
+    assert "engine 0: died" in reasons and "trainer rank 0: " in reasons, reasons
+    assert "Timed out" not in reasons, reasons
     assert rollout.restarts == 1
     assert _versions(rollout) == [2, 2]
     assert _same(rollout.generate(_request()), published)  # the trainer's weights, on both engines
@@ -150,15 +152,46 @@ def test_an_engine_that_loses_its_partner_leaves_the_group_at_once(
     trainer, rollout = make_groups(3)
     sync = CollectiveSync(TIMEOUT)
     sync.publish(trainer, rollout, 1, "")
+    published = rollout.generate(_request())
     _kill_engine(rollout, 2)
     with caplog.at_level(logging.WARNING, logger="rlfw.distributed.weight_sync"):
         sync.publish(trainer, rollout, 2, "")
     reasons = _reasons(caplog.text)
     assert "engine 2: died" in reasons and "Timed out" not in reasons, reasons
     assert _versions(rollout) == [2, 2, 2]
+    assert _same(rollout.generate(_request()), published)
     sync.publish(trainer, rollout, 3, "")
     assert sync.members == rollout.restarts == 1
     assert _versions(rollout) == [3, 3, 3]
+
+
+@pytest.mark.slow
+def test_a_stuck_engine_stops_the_publish_with_the_members_reasons(
+    make_groups: Callable[[int], tuple[TrainerGroup, RolloutGroup]],
+) -> None:
+    """A stopped engine (SIGSTOP) makes rank 0 wait out the timeout. The object store would wait on the
+    same engine with no timeout at all, so the publish is stopped, naming why."""
+    trainer, rollout = make_groups(2)
+    sync = CollectiveSync(timedelta(seconds=5))
+    sync.publish(trainer, rollout, 1, "")
+    pid = ray.get(rollout.actors[1].pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(BroadcastStuck, match=r"version 2 did not complete \(trainer rank 0: Timed out"):
+            sync.publish(trainer, rollout, 2, "")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert sync.members == -1
+
+
+def test_a_gloo_error_is_cut_to_what_happened() -> None:
+    said = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:23946. This is typically caused by a remote worker crashing.\nException raised from x"
+    )
+    assert _first_sentence(said) == "Connection closed by peer [127.0.0.1]:23946"
+    assert _first_sentence("died") == "died"
+    assert _first_sentence("") == ""
 
 
 @pytest.mark.slow
