@@ -68,12 +68,11 @@ class WeightGroup:
                 "internal: this member left the weight group after a failed broadcast, and the group was "
                 "not formed again before the next one (CollectiveSync forms it at the next publish)"
             )
-        if self.device == "cuda":  # NCCL reports a lost member through its watchdog; nothing is caught here
-            self.group.broadcast(t, 0).wait()
-            return
         try:
             self.group.broadcast(t, 0).wait()
         except RuntimeError as err:
+            if self.device == "cuda":  # NCCL reports a lost member through its watchdog: not handled here
+                raise
             # A member died, or the group timed out. The broadcast runs down a tree, so the members around
             # this one may wait on it for the rest of the timeout (10 minutes by default): leaving the group
             # closes this member's connections, which fails their waits at once.

@@ -88,14 +88,11 @@ class CollectiveSync:
         receives = [a.receive_weights.remote(self.metas, version, contract_hash) for a in rollout.actors]
         ref, failed = trainer.gather(sends, "a weight sync")[0]  # a dead trainer rank is named
         why = {} if failed is None else {"trainer rank 0": failed}
-        if why:
+        if failed is None or _lost(failed):  # a stuck rank 0 stops before waiting on the engines
+            why |= {f"engine {i}": reason for i, reason in rollout.broadcast_failures(receives).items()}
+        if why:  # some member missed the version (steps 3-4)
             self.members = -1  # every member that saw the failure has left: form the group again
-        if failed is not None and not LOST_PEER.search(failed):  # before waiting on the engines
-            raise BroadcastStuck(version, why)
-        why |= {f"engine {i}": reason for i, reason in rollout.broadcast_failures(receives).items()}
-        if why:  # steps 3-4 missed by some engines
-            self.members = -1
-            if any(reason != "died" and not LOST_PEER.search(reason) for reason in why.values()):
+            if not all(_lost(reason) for reason in why.values()):
                 raise BroadcastStuck(version, why)
             log.warning(
                 "the weight broadcast of version %d failed (%s); delivering it through the object store",
@@ -117,6 +114,11 @@ class BroadcastStuck(RuntimeError):
             f"the weight broadcast of version {version} did not complete ({_reasons(why)}); a member that "
             "timed out is stuck, or the network is slower than the group's timeout"
         )
+
+
+def _lost(reason: str) -> bool:
+    """Whether a member missed the broadcast because it died or lost a partner (not a timeout)."""
+    return reason == "died" or LOST_PEER.search(reason) is not None
 
 
 def _reasons(why: dict[str, str]) -> str:

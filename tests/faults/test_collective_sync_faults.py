@@ -38,6 +38,7 @@ from rlfw.model.distribution import Transforms
 from rlfw.trainer.deepspeed_backend import OptimConfig
 from rlfw.trainer.step import StepSpec
 from rlfw.types import GenerationRequest, Sample
+from tests.rollout._helpers import same_bits
 
 ENGINES = ModelSpec(path=None, preset="tiny_dense", dtype="float32", kernels="invariant", seed=0)
 TRAINER_SPEC = ModelSpec(path=None, preset="tiny_dense", dtype="float32", kernels="invariant", seed=1)
@@ -81,8 +82,7 @@ def _request() -> GenerationRequest:
 
 def _same(a: list[Sample], b: list[Sample]) -> bool:
     return all(
-        torch.equal(x.response_T, y.response_T)
-        and torch.equal(x.sampler_logp.view(torch.int32), y.sampler_logp.view(torch.int32))
+        torch.equal(x.response_T, y.response_T) and same_bits(x.sampler_logp, y.sampler_logp)
         for x, y in zip(a, b, strict=True)
     )
 
