@@ -1,5 +1,3 @@
-import sys
+from rlfw.cli import entry
 
-from rlfw.cli import main
-
-sys.exit(main())
+entry()

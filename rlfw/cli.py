@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -155,5 +156,15 @@ def input_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+def entry() -> None:
+    """The ``rlfw`` command: :func:`main`, then the exit. ``gc.freeze()`` first, so that the interpreter's
+    shutdown does not walk every object torch and its peers created in collections that free nothing the
+    exit would not: 0.7 of the 2.7 s a bare ``import rlfw.train.run`` took from start to exit. (Only
+    here: in a process that goes on after :func:`main`, frozen objects would never be collected.)"""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -19,7 +19,7 @@ import ray
 
 from rlfw.compose import to_yaml
 from rlfw.config import RunConfig
-from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool
+from rlfw.distributed.cluster import ROLLOUT, TRAINER, init_ray, make_pool, shutdown_ray
 from rlfw.distributed.cores import LEDGER_FILE, create_ledger
 from rlfw.distributed.groups import RolloutGroup, TrainerGroup, TrainerRankDied
 from rlfw.distributed.weight_sync import BroadcastStuck, make_sync
@@ -79,7 +79,7 @@ def train(run: RunConfig) -> int:
             _put_back(run_dir, before)
             (run_dir / LEDGER_FILE).unlink(missing_ok=True)
         if ray.is_initialized():
-            ray.shutdown()
+            shutdown_ray()
         raise
     weights = EngineWeights(make_sync(run.sync.transport), trainer, rollout, setup.contract.hash)
     state = (
@@ -150,7 +150,7 @@ def train(run: RunConfig) -> int:
         try:
             trainer.shutdown()
         finally:
-            ray.shutdown()
+            shutdown_ray()
             (run_dir / LEDGER_FILE).unlink(missing_ok=True)
     return code
 
