@@ -33,7 +33,15 @@ def timed_run(code_root: Path, run_root: Path, steps: int, overrides: list[str])
     """Seconds of one ``rlfw train`` whose ``rlfw`` package comes from ``code_root``."""
     env = os.environ | {"PYTHONPATH": str(code_root), "RLFW_PROGRESS": "0"}
     # `python -m rlfw`: each side's own entry point (the installed `rlfw` script names this checkout's)
-    args = [sys.executable, "-m", "rlfw", "train", f"trainer.steps={steps}", f"logger.run_root={run_root}", *overrides]
+    args = [
+        sys.executable,
+        "-m",
+        "rlfw",
+        "train",
+        f"trainer.steps={steps}",
+        f"logger.run_root={run_root}",
+        *overrides,
+    ]
     t0 = time.perf_counter()
     out = subprocess.run(args, cwd=code_root, env=env, capture_output=True, text=True, timeout=900)
     seconds = time.perf_counter() - t0
