@@ -158,8 +158,10 @@ def input_errors() -> tuple[type[BaseException], ...]:
 
 def entry() -> None:
     """The ``rlfw`` command: :func:`main`, then the exit. ``gc.freeze()`` first, so that the interpreter's
-    shutdown does not walk every object torch and its peers created in collections that free nothing the
-    exit would not: 0.7 of the 2.7 s a bare ``import rlfw.train.run`` took from start to exit. (Only
+    shutdown does not walk every object torch and its peers created: 0.7 of the 2.7 s a bare ``import
+    rlfw.train.run`` took from start to exit. Objects in reference cycles are then not collected at the
+    exit, so their ``__del__`` does not run; ``atexit`` handlers (``weakref.finalize`` among them) still
+    do, and every rlfw command closes its files, loggers, pools and Ray before :func:`main` returns. (Only
     here: in a process that goes on after :func:`main`, frozen objects would never be collected.)"""
     code = main()
     gc.freeze()

@@ -38,6 +38,6 @@ export VLLM_LOGGING_STREAM="${VLLM_LOGGING_STREAM:-ext://sys.stderr}"  # stdout 
 
 # The C++ CPU kernels (kernels/csrc) compile once per machine into TORCH_EXTENSIONS_DIR; build them here
 # so that no run or test pays for the first build (a no-op when the cached build is current). The same
-# for DeepSpeed's shared-memory collective, which its CPU ranks build at their first start (about 20 s).
+# for DeepSpeed's shared-memory collective, which its CPU ranks build at their first start (about 25 s).
 "$VENV/bin/python" -c "from rlfw.kernels import cpu_native; cpu_native.module()
 from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null

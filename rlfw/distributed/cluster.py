@@ -154,19 +154,24 @@ def shutdown_ray() -> None:
     """``ray.shutdown()``, with the autoscaler monitor of a local Ray this driver started stopped first.
 
     Ray stops its head processes one by one, each with SIGTERM and a second's grace, and the GCS before
-    the monitor. On SIGTERM the monitor reports its own end to that GCS, which is gone by then, so it
-    always used the whole second: a second of every run's exit. It keeps no state; SIGKILL loses nothing.
+    the monitor. On SIGTERM the monitor publishes an "autoscaler failed" error to that GCS, which is gone
+    by then, so it always used the whole second: a second of every run's exit. A local run's monitor
+    scales nothing and keeps no state; SIGKILL loses nothing.
     """
     import signal
+    import subprocess
 
     import ray
 
-    node: Any = ray._private.worker._global_node  # None when this driver joined a cluster
+    node: Any = ray._private.worker._global_node  # not the head when this driver joined a cluster
     if node is not None and node.is_head():
         for info in node.all_processes.get(ray._private.ray_constants.PROCESS_TYPE_MONITOR, []):
             if info.process.poll() is None:
                 os.kill(info.process.pid, signal.SIGKILL)
-                info.process.wait()
+                try:  # bounded, as Ray bounds its own: a process in uninterruptible sleep outlives SIGKILL
+                    info.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
     ray.shutdown()
 
 
