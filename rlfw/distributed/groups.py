@@ -154,8 +154,9 @@ class RolloutGroup:
             self._call(i, "version")
 
     def broadcast_failures(self, receives: list[Any]) -> dict[int, str]:
-        """Why each engine that missed a weight broadcast missed it (``receives``: one receive call per
-        actor, in order): ``"died"``, or its broadcast's error. Any other error is raised."""
+        """Why each engine that missed a weight broadcast, or failed to join its group, missed it
+        (``receives``: one receive or join call per actor, in order): ``"died"``, or the error the call
+        returned. Any other error is raised."""
         failures = {}
         for i, ref in enumerate(receives):
             try:

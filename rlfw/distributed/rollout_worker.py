@@ -176,8 +176,16 @@ class RolloutWorker:
             self.engine.update_weights(update)
             return self.engine.version
 
-    def join_weight_group(self, host: str, port: int, rank: int, world: int, timeout: timedelta) -> None:
-        self.weights = WeightGroup(host, port, rank, world, timeout)
+    def join_weight_group(
+        self, host: str, port: int, rank: int, world: int, timeout: timedelta
+    ) -> str | None:
+        """Join the weight-broadcast group. Returns None, or why joining failed (a member that never came
+        or left while the group formed: the driver replaces dead engines and forms the group again)."""
+        try:
+            self.weights = WeightGroup(host, port, rank, world, timeout)
+        except RuntimeError as err:
+            return str(err)
+        return None
 
     def receive_weights(self, metas: list[TensorMeta], version: int, contract_hash: str) -> str | None:
         """Receive a broadcast version and load it like any update (the contract hash is checked). Returns

@@ -15,7 +15,7 @@ import torch
 from rlfw.distributed.cluster import keep_freed_memory, peak_rss_mb, use_cpu_threads
 from rlfw.distributed.cores import Seat, join, working
 from rlfw.distributed.specs import ModelSpec
-from rlfw.distributed.weight_group import BroadcastFailed, TensorMeta, WeightGroup, describe
+from rlfw.distributed.weight_group import BroadcastFailed, WeightGroup, describe
 from rlfw.fingerprint import environment_fingerprint
 from rlfw.kernels import threads
 from rlfw.logging.metrics import CORES_TRAINER_WIDENED_FRAC
@@ -103,10 +103,14 @@ class TrainerWorker:
             port = int(sock.getsockname()[1])
         return ray.util.get_node_ip_address(), port
 
-    def join_weight_group(self, host: str, port: int, world: int, timeout: timedelta) -> list[TensorMeta]:
-        """Rank 0 joins the broadcast group as its rank 0; returns what it will send, in order."""
-        self.weights = WeightGroup(host, port, 0, world, timeout)
-        return describe(dict(self.model.named_parameters()))
+    def join_weight_group(self, host: str, port: int, world: int, timeout: timedelta) -> list[Any]:
+        """Rank 0 joins the broadcast group as its rank 0; returns ``[metas, failed]``: what it will send,
+        in order, and None or why joining failed (a member that never joined, most likely)."""
+        try:
+            self.weights = WeightGroup(host, port, 0, world, timeout)
+        except RuntimeError as err:
+            return [[], str(err)]
+        return [describe(dict(self.model.named_parameters())), None]
 
     def send_weights(self, version: int, contract_hash: str) -> list[Any]:
         """Every rank gathers (a collective under ZeRO-3); rank 0 broadcasts to the engines, then keeps the

@@ -56,8 +56,9 @@ class CollectiveSync:
     If every member that missed the version died or lost a partner, the version goes through the object
     store instead (a dead engine is replaced) and the group is formed again at the next publish. A member
     that waited out the timeout (a stuck engine, a network too slow) raises :class:`BroadcastStuck`: the
-    object store would wait on the same engine with no timeout at all. Under NCCL a lost member surfaces
-    through NCCL's watchdog instead; that case is not handled here."""
+    object store would wait on the same engine with no timeout at all. An engine that dies while the group
+    forms makes the others wait for it until the timeout; it is then replaced and the group formed once
+    more. Under NCCL a lost member surfaces through NCCL's watchdog instead; that case is not handled here."""
 
     name = "collective"
 
@@ -67,23 +68,34 @@ class CollectiveSync:
         self.members = -1  # rollout.restarts when the group was formed; -1: not formed
         self.timeout = timeout
 
-    def _form_group(self, trainer: TrainerGroup, rollout: RolloutGroup) -> None:
-        # A dead member would leave rank 0 waiting for it to join until the timeout.
-        rollout.replace_dead()
-        head = trainer.actors[0]
-        host, port = ray.get(head.node_address.remote())
-        world = 1 + len(rollout.actors)
-        joins = [
-            a.join_weight_group.remote(host, port, i, world, self.timeout)
-            for i, a in enumerate(rollout.actors, start=1)
-        ]
-        self.metas = ray.get(head.join_weight_group.remote(host, port, world, self.timeout))
-        ray.get(joins)
-        self.members = rollout.restarts
+    def _form_group(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int) -> None:
+        """Form the group with every engine. An engine that dies while it forms leaves the others waiting
+        for it until the timeout; it is then replaced and the group formed once more. A member that failed
+        to join any other way (it timed out) raises :class:`BroadcastStuck`."""
+        for attempt in range(2):
+            # A dead member would leave rank 0 waiting for it to join until the timeout.
+            rollout.replace_dead()
+            head = trainer.actors[0]
+            host, port = ray.get(head.node_address.remote())
+            world = 1 + len(rollout.actors)
+            joins = [
+                a.join_weight_group.remote(host, port, i, world, self.timeout)
+                for i, a in enumerate(rollout.actors, start=1)
+            ]
+            head_join = head.join_weight_group.remote(host, port, world, self.timeout)
+            metas, failed = trainer.gather([head_join], "forming the weight group")[0]
+            why = {} if failed is None else {"trainer rank 0": failed}
+            why |= {f"engine {i}": reason for i, reason in rollout.broadcast_failures(joins).items()}
+            if not why:
+                self.metas, self.members = metas, rollout.restarts
+                return
+            if attempt or "died" not in why.values():
+                raise BroadcastStuck(version, why)
+            log.warning("the weight group did not form (%s); forming it again", _reasons(why))
 
     def publish(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int, contract_hash: str) -> Any:
         if self.members != rollout.restarts:
-            self._form_group(trainer, rollout)
+            self._form_group(trainer, rollout, version)
         sends = [a.send_weights.remote(version, contract_hash) for a in trainer.actors]  # steps 1-2
         receives = [a.receive_weights.remote(self.metas, version, contract_hash) for a in rollout.actors]
         ref, failed = trainer.gather(sends, "a weight sync")[0]  # a dead trainer rank is named

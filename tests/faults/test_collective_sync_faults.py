@@ -6,7 +6,8 @@ partners for the group's timeout (10 minutes by default). An engine that died si
 to stop the run with a traceback about a closed connection, and members around it waited out the timeout.
 Now every member whose broadcast fails leaves the group, which fails its partners' waits at once; the
 version goes through the object store, the dead engine is replaced, and the group is formed again at the
-next publish. A trainer rank that dies is named, as it is in every other trainer call.
+next publish. An engine that dies while the group forms is replaced, and the group formed again. A
+trainer rank that dies is named, as it is in every other trainer call.
 
 The tests form the group with a 30-second timeout: a member that waited it out would say "Timed out" in
 the warning that names why each member missed the broadcast. A member that does time out (a stuck
@@ -218,3 +219,36 @@ def test_a_trainer_rank_dead_at_a_broadcast_is_named(
     with pytest.raises(TrainerRankDied, match=r"^trainer rank 0 died during a weight sync$"):
         sync.publish(trainer, rollout, 2, "")
     assert trainer.dead == 0
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_while_the_group_forms_is_replaced_and_the_group_formed_again(
+    make_groups: Callable[[int], tuple[TrainerGroup, RolloutGroup]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Engine 1 is killed after the dead engines were replaced and before it joins: the other members
+    wait for it until the group's timeout (5 s here), then the driver replaces it and forms the group
+    again. Before, rank 0's timeout came out of the publish as a traceback."""
+    trainer, rollout = make_groups(2)
+    sync = CollectiveSync(timedelta(seconds=5))
+    replace_dead = rollout.replace_dead
+    calls = []
+
+    def replace_then_lose_engine_1() -> None:
+        replace_dead()
+        if not calls:
+            _kill_engine(rollout, 1)
+        calls.append(1)
+
+    rollout.replace_dead = replace_then_lose_engine_1  # type: ignore[method-assign]
+    untrained = rollout.generate(_request())
+    with caplog.at_level(logging.WARNING, logger="rlfw.distributed.weight_sync"):
+        sync.publish(trainer, rollout, 1, "")  # the first publish forms the group
+    (line,) = [line for line in caplog.text.splitlines() if "the weight group did not form" in line]
+    assert "engine 1: died" in line, line
+    assert len(calls) == 2 and rollout.restarts == 1 and sync.members == 1
+    assert _versions(rollout) == [1, 1]
+    published = rollout.generate(_request())
+    assert not _same(published, untrained)  # the trainer's weights reached both engines
+    sync.publish(trainer, rollout, 2, "")  # the group formed the second time broadcasts
+    assert _versions(rollout) == [2, 2]
+    assert _same(rollout.generate(_request()), published)
