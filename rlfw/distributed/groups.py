@@ -13,7 +13,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from rlfw.config import EngineConfig
-from rlfw.distributed.cluster import Pool, free_port
+from rlfw.distributed.cluster import Pool
 from rlfw.distributed.cores import Seat
 from rlfw.distributed.rollout_worker import ACTOR_CONCURRENCY, RolloutActor
 from rlfw.distributed.specs import ModelSpec
@@ -240,12 +240,10 @@ class TrainerGroup:
     ) -> None:
         """``ledger``: the core ledger's path under ``lend_idle_cores=true``; rank ``r`` sits in seat
         ``first_seat + r`` (after the engine actors')."""
-        port = free_port()
         self.actors: list[Any] = [  # actor handles
             TrainerActor.options(**pool.options(r)).remote(
                 r,
                 pool.size,
-                port,
                 spec,
                 optim,
                 cpu_threads,
@@ -262,8 +260,13 @@ class TrainerGroup:
         return {f"trainer rank {r}": fp for r, fp in enumerate(prints)}
 
     def start(self, step: StepSpec) -> None:
-        """Build every rank (they join one process group, so all at once) and wait for them."""
-        self.gather([a.start.remote(step) for a in self.actors], "start-up")
+        """Build every rank (they join one process group, so all at once) and wait for them.
+
+        Rank 0 picks the group's port just before: a port picked when the ranks were created was free
+        for the seconds their processes took to start, while Ray opened connections from the same range
+        of ephemeral ports, and one of them once took it (EADDRINUSE in the rank's start)."""
+        (address,) = self.gather([self.actors[0].node_address.remote()], "start-up")
+        self.gather([a.start.remote(step, address[1]) for a in self.actors], "start-up")
 
     def gather(self, futures: list[Any], what: str) -> list[Any]:
         """:func:`gather_ranks`, remembering which rank died (:meth:`shutdown` then stops the rest)."""

@@ -31,7 +31,6 @@ class TrainerWorker:
         self,
         rank: int,
         world: int,
-        port: int,
         spec: ModelSpec,
         optim: OptimConfig,
         cpu_threads: int = 1,
@@ -40,7 +39,7 @@ class TrainerWorker:
         """Nothing is built yet: the driver first reads this process's :meth:`fingerprint`, settles the
         execution contract on every slot's, then calls :meth:`start` (on every rank at once: it joins the
         process group)."""
-        self.rank, self.world, self.port, self.spec, self.optim = rank, world, port, spec, optim
+        self.rank, self.world, self.spec, self.optim = rank, world, spec, optim
         self.cpu_threads, self.seat = cpu_threads, seat
 
     def fingerprint(self, engine: str) -> dict[str, Any]:
@@ -48,8 +47,9 @@ class TrainerWorker:
         libraries of the run's ``engine`` (vLLM's version under ``engine=vllm``), as the engines report."""
         return environment_fingerprint(engine)
 
-    def start(self, step: StepSpec) -> None:
-        """Join the process group, build the model and DeepSpeed; ``step`` follows the settled contract."""
+    def start(self, step: StepSpec, port: int) -> None:
+        """Join the process group (rank 0 hosts its store on ``port``), build the model and DeepSpeed;
+        ``step`` follows the settled contract."""
         import deepspeed
 
         keep_freed_memory()  # no page faults on the tensors each step frees and allocates again
@@ -57,7 +57,7 @@ class TrainerWorker:
 
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(self.port),
+            MASTER_PORT=str(port),
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world),
             LOCAL_RANK="0",
@@ -95,7 +95,8 @@ class TrainerWorker:
         return [ray.put(WeightUpdate(version=version, contract_hash=contract_hash, state_dict=state))]
 
     def node_address(self) -> tuple[str, int]:
-        """This node's address and a free port on it, for the weight-broadcast group (rank 0 hosts it)."""
+        """This node's address and a free port on it, for a group rank 0 hosts: the trainer ranks' own, or
+        the weight-broadcast group."""
         import socket
 
         with socket.socket() as sock:
