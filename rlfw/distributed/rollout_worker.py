@@ -180,7 +180,8 @@ class RolloutWorker:
         self, host: str, port: int, rank: int, world: int, timeout: timedelta
     ) -> str | None:
         """Join the weight-broadcast group. Returns None, or why joining failed (a member that never came
-        or left while the group formed: the driver replaces dead engines and forms the group again)."""
+        or left while the group formed; if an engine died, the driver replaces it and forms the group
+        again)."""
         try:
             self.weights = WeightGroup(host, port, rank, world, timeout)
         except RuntimeError as err:

@@ -70,8 +70,9 @@ class CollectiveSync:
 
     def _form_group(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int) -> None:
         """Form the group with every engine. An engine that dies while it forms leaves the others waiting
-        for it until the timeout; it is then replaced and the group formed once more. A member that failed
-        to join any other way (it timed out) raises :class:`BroadcastStuck`."""
+        for it until the timeout; it is then replaced and the group formed once more. Any other failure to
+        join (a member that timed out, most likely), and any failure on that second try, raises
+        :class:`BroadcastStuck`."""
         for attempt in range(2):
             # A dead member would leave rank 0 waiting for it to join until the timeout.
             rollout.replace_dead()
@@ -92,6 +93,7 @@ class CollectiveSync:
             if attempt or "died" not in why.values():
                 raise BroadcastStuck(version, why)
             log.warning("the weight group did not form (%s); forming it again", _reasons(why))
+        raise AssertionError("unreachable: the second try returns or raises")
 
     def publish(self, trainer: TrainerGroup, rollout: RolloutGroup, version: int, contract_hash: str) -> Any:
         if self.members != rollout.restarts:

@@ -9,7 +9,7 @@ version goes through the object store, the dead engine is replaced, and the grou
 next publish. An engine that dies while the group forms is replaced, and the group formed again. A
 trainer rank that dies is named, as it is in every other trainer call.
 
-The tests form the group with a 30-second timeout: a member that waited it out would say "Timed out" in
+Most tests form the group with a 30-second timeout: a member that waited it out would say "Timed out" in
 the warning that names why each member missed the broadcast. A member that does time out (a stuck
 engine) stops the publish instead: the object store would wait on the same engine with no timeout.
 """
@@ -248,7 +248,7 @@ def test_an_engine_that_dies_while_the_group_forms_is_replaced_and_the_group_for
     assert len(calls) == 2 and rollout.restarts == 1 and sync.members == 1
     assert _versions(rollout) == [1, 1]
     published = rollout.generate(_request())
-    assert not _same(published, untrained)  # the trainer's weights reached both engines
+    assert not _same(published, untrained)  # the trainer's weights reached the engines (both at version 1)
     sync.publish(trainer, rollout, 2, "")  # the group formed the second time broadcasts
     assert _versions(rollout) == [2, 2]
     assert _same(rollout.generate(_request()), published)
