@@ -11,7 +11,7 @@ import sys
 from tests.train._run import env
 
 SCRIPT = """
-import json, signal
+import json
 import ray
 from ray._private import ray_constants
 from rlfw.distributed.cluster import init_ray, shutdown_ray

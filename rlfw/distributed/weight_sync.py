@@ -73,20 +73,19 @@ class CollectiveSync:
         for it until the timeout; it is then replaced and the group formed once more. Any other failure to
         join (a member that timed out, most likely), and any failure on that second try, raises
         :class:`BroadcastStuck`."""
+        head = trainer.actors[0]
+        world = 1 + len(rollout.actors)
         for attempt in range(2):
             # A dead member would leave rank 0 waiting for it to join until the timeout.
             rollout.replace_dead()
-            head = trainer.actors[0]
             host, port = ray.get(head.node_address.remote())
-            world = 1 + len(rollout.actors)
             joins = [
                 a.join_weight_group.remote(host, port, i, world, self.timeout)
                 for i, a in enumerate(rollout.actors, start=1)
             ]
             head_join = head.join_weight_group.remote(host, port, world, self.timeout)
             metas, failed = trainer.gather([head_join], "forming the weight group")[0]
-            why = {} if failed is None else {"trainer rank 0": failed}
-            why |= {f"engine {i}": reason for i, reason in rollout.broadcast_failures(joins).items()}
+            why = _members(failed, rollout.broadcast_failures(joins))
             if not why:
                 self.metas, self.members = metas, rollout.restarts
                 return
@@ -101,9 +100,9 @@ class CollectiveSync:
         sends = [a.send_weights.remote(version, contract_hash) for a in trainer.actors]  # steps 1-2
         receives = [a.receive_weights.remote(self.metas, version, contract_hash) for a in rollout.actors]
         ref, failed = trainer.gather(sends, "a weight sync")[0]  # a dead trainer rank is named
-        why = {} if failed is None else {"trainer rank 0": failed}
-        if failed is None or _lost(failed):  # a stuck rank 0 stops before waiting on the engines
-            why |= {f"engine {i}": reason for i, reason in rollout.broadcast_failures(receives).items()}
+        # a stuck rank 0 stops before waiting on the engines
+        missed = rollout.broadcast_failures(receives) if failed is None or _lost(failed) else {}
+        why = _members(failed, missed)
         if why:  # some member missed the version (steps 3-4)
             self.members = -1  # every member that saw the failure has left: form the group again
             if not all(_lost(reason) for reason in why.values()):
@@ -128,6 +127,13 @@ class BroadcastStuck(RuntimeError):
             f"the weight broadcast of version {version} did not complete ({_reasons(why)}); a member that "
             "timed out is stuck, or the network is slower than the group's timeout"
         )
+
+
+def _members(rank0: str | None, engines: dict[int, str]) -> dict[str, str]:
+    """Why each member failed, by name: trainer rank 0's failure (None if it did not fail), then each
+    engine's (by index)."""
+    why = {} if rank0 is None else {"trainer rank 0": rank0}
+    return why | {f"engine {i}": reason for i, reason in engines.items()}
 
 
 def _lost(reason: str) -> bool:
